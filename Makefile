@@ -1,0 +1,31 @@
+# make train: create .venv (Python >= 3.12) on first use, install, train the tiny DeepSeek-V3 recipe on CPU.
+# make test:  the test suite (what .ci/run calls).
+PYTHON ?= $(shell scripts/find_python.sh)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: install train test doctor clean
+
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: set PYTHON to a Python >= 3.12" >&2; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m MaxText.train recipes/deepseek_v3_tiny.yml $(ARGS)
+
+test: $(STAMP)
+	XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest -q tests
+
+doctor: $(STAMP)
+	$(PY) -m MaxText.doctor
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

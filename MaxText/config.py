@@ -1,0 +1,207 @@
+"""Loads a recipe into one validated, read-only `Config`.
+
+Layering, later wins:
+  MaxText/configs/base.yml  <  model config (`model_config:`)  <  recipes named by
+  `base_config:` (recipes can build on recipes)  <  the recipe  <  CLI `key=value`.
+
+`base_config` and `model_config` are paths, resolved relative to the file that
+names them, then relative to the repository root. Every other key must be one
+of base.yml's; an unknown key is an error naming the closest valid key, a bad
+type or value is an error naming the key and what is allowed.
+"""
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from MaxText.config_schema import SECTIONS, DataConfig, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig, key_index
+from MaxText.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BASE_YML = Path(__file__).resolve().parent / "configs" / "base.yml"
+PATH_KEYS = ("base_config", "model_config")
+
+
+@dataclass(frozen=True)
+class Config:
+  model: ModelConfig
+  moe: MoEConfig
+  optimizer: OptimizerConfig
+  mesh: MeshConfig
+  data: DataConfig
+  train: TrainConfig
+  sources: tuple[str, ...]  # the files that were layered, in order
+
+  def to_flat_dict(self) -> dict[str, Any]:
+    flat = {}
+    for name in SECTIONS:
+      flat.update(dataclasses.asdict(getattr(self, name)))
+    return flat
+
+  def to_yaml(self) -> str:
+    header = "# Effective config, layered from:\n" + "".join(f"#   {s}\n" for s in self.sources)
+    return header + yaml.safe_dump(self.to_flat_dict(), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+  if not path.is_file():
+    raise UserError(f"config file {path} does not exist")
+  try:
+    data = yaml.safe_load(path.read_text())
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}" if mark else ""
+    raise UserError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise UserError(f"{path} must hold a mapping of key: value, not a {type(data).__name__}")
+  return data
+
+
+def _resolve(name: str, relative_to: Path, key: str) -> Path:
+  for candidate in (Path(name), relative_to.parent / name, REPO_ROOT / name):
+    if candidate.is_file():
+      return candidate.resolve()
+  raise UserError(f"{key}: {name} (named in {relative_to}) not found; give a path relative to that file or to {REPO_ROOT}")
+
+
+def _layers_of(recipe: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+  """The files a recipe stands on, lowest first: model config, base recipes, the recipe."""
+  if recipe in seen:
+    raise UserError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, recipe))}")
+  data = _read_yaml(recipe)
+  layers = []
+  if "base_config" in data:
+    layers += _layers_of(_resolve(str(data.pop("base_config")), recipe, "base_config"), (*seen, recipe))
+  if "model_config" in data:
+    model = _resolve(str(data.pop("model_config")), recipe, "model_config")
+    model_data = _read_yaml(model)
+    for k in PATH_KEYS:
+      if k in model_data:
+        raise UserError(f"{model}: a model config cannot name {k}")
+    layers.append((model, model_data))
+  layers.append((recipe, data))
+  return layers
+
+
+def _unknown_key(key: str, where: str) -> UserError:
+  close = difflib.get_close_matches(key, list(key_index()), n=1, cutoff=0.5)
+  hint = f"; did you mean '{close[0]}'?" if close else "; see MaxText/configs/base.yml for the valid keys"
+  return UserError(f"unknown config key '{key}' in {where}{hint}")
+
+
+def _typed(key: str, value: Any, f: dataclasses.Field, where: str) -> Any:
+  kind = f.type
+  meta = f.metadata
+  if kind is bool:
+    if not isinstance(value, bool):
+      raise UserError(f"{key}={value!r} (from {where}) must be true or false")
+  elif kind is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise UserError(f"{key}={value!r} (from {where}) must be an integer")
+  elif kind is float:
+    if isinstance(value, str):
+      try:
+        value = float(value)
+      except ValueError:
+        raise UserError(f"{key}={value!r} (from {where}) must be a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      raise UserError(f"{key}={value!r} (from {where}) must be a finite number")
+    value = float(value)
+  elif kind is str:
+    if not isinstance(value, str):
+      raise UserError(f"{key}={value!r} (from {where}) must be a string")
+  if "choices" in meta and value not in meta["choices"]:
+    raise UserError(f"{key}={value!r} (from {where}) is not allowed; choose one of: {', '.join(meta['choices'])}")
+  if "ge" in meta and value < meta["ge"]:
+    raise UserError(f"{key}={value!r} (from {where}) must be >= {meta['ge']}")
+  if "gt" in meta and value <= meta["gt"]:
+    raise UserError(f"{key}={value!r} (from {where}) must be > {meta['gt']}")
+  if "le" in meta and value > meta["le"]:
+    raise UserError(f"{key}={value!r} (from {where}) must be <= {meta['le']}")
+  return value
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
+  overrides = []
+  for arg in argv:
+    key, sep, text = arg.partition("=")
+    if not sep or not key:
+      raise UserError(f"command-line argument '{arg}' must be key=value")
+    try:
+      value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+      value = text
+    overrides.append((key.strip(), value))
+  return overrides
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+  """base.yml, then the recipe and everything it names, then `key=value` overrides."""
+  index = key_index()
+  layers = [(BASE_YML, _read_yaml(BASE_YML))]
+  if recipe is not None:
+    layers += _layers_of(Path(recipe).resolve())
+  layers.append(("the command line", dict(parse_overrides(list(overrides)))))
+
+  values: dict[str, Any] = {}
+  origin: dict[str, str] = {}
+  for path, data in layers:
+    where = str(path)
+    for key, value in data.items():
+      if key in PATH_KEYS:
+        raise UserError(f"{key} can only be set in a recipe file, not in {where}")
+      if key not in index:
+        raise _unknown_key(key, where)
+      values[key] = _typed(key, value, index[key][1], where)
+      origin[key] = where
+
+  missing = sorted(set(index) - set(values))
+  if missing:  # base.yml must give every key a default; tests/test_config.py checks it
+    raise UserError(f"{BASE_YML} has no default for: {', '.join(missing)}")
+
+  sections = {
+      name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for name, cls in SECTIONS.items()
+  }
+  cfg = Config(**sections, sources=tuple(str(p) for p, _ in layers[:-1]))
+  _check_consistency(cfg, origin)
+  return cfg
+
+
+def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
+  m, moe, t = cfg.model, cfg.moe, cfg.train
+
+  def fail(key: str, msg: str):
+    raise UserError(f"{key}: {msg} (set in {origin[key]})")
+
+  if m.first_num_dense_layers > m.base_num_decoder_layers:
+    fail("first_num_dense_layers", f"{m.first_num_dense_layers} is more than base_num_decoder_layers={m.base_num_decoder_layers}")
+  if m.base_num_kv_heads != m.base_num_query_heads:
+    fail("base_num_kv_heads", f"MLA has one kv head per query head; set it to base_num_query_heads={m.base_num_query_heads}")
+  if m.qk_rope_head_dim % 2:
+    fail("qk_rope_head_dim", f"{m.qk_rope_head_dim} must be even (rotary pairs)")
+  if moe.num_experts_per_tok > moe.num_experts:
+    fail("num_experts_per_tok", f"{moe.num_experts_per_tok} is more than num_experts={moe.num_experts}")
+  if moe.num_experts % moe.n_routing_groups:
+    fail("n_routing_groups", f"num_experts={moe.num_experts} is not divisible by {moe.n_routing_groups} groups")
+  if moe.topk_routing_group > moe.n_routing_groups:
+    fail("topk_routing_group", f"{moe.topk_routing_group} is more than n_routing_groups={moe.n_routing_groups}")
+  per_group = moe.num_experts // moe.n_routing_groups
+  if moe.n_routing_groups > 1 and per_group < 2:
+    fail("n_routing_groups", f"group scores sum each group's top-2 experts, so groups need >= 2 experts (have {per_group})")
+  if moe.topk_routing_group * per_group < moe.num_experts_per_tok:
+    fail("topk_routing_group", f"{moe.topk_routing_group} groups of {per_group} experts cannot supply num_experts_per_tok={moe.num_experts_per_tok}")
+  if moe.moe_dispatch == "capacity" and moe.capacity_factor <= 0:
+    fail("capacity_factor", "moe_dispatch=capacity needs capacity_factor > 0 (e.g. 1.25)")
+  if moe.moe_dispatch == "sort" and moe.capacity_factor > 0:
+    fail("capacity_factor", "moe_dispatch=sort is dropless; set capacity_factor=-1 or choose moe_dispatch=capacity")
+  if t.per_device_batch_size % t.gradient_accumulation_steps:
+    fail("gradient_accumulation_steps", f"per_device_batch_size={t.per_device_batch_size} is not divisible by {t.gradient_accumulation_steps}")
+  if cfg.optimizer.learning_rate_schedule_steps == 0 or cfg.optimizer.learning_rate_schedule_steps < -1:
+    fail("learning_rate_schedule_steps", "must be -1 (use steps) or a positive number of steps")

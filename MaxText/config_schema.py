@@ -1,0 +1,159 @@
+"""Typed, read-only config sections; defaults and help text live in configs/base.yml.
+
+Each component receives only its own section (the MoE layer gets `MoEConfig`,
+the optimizer `OptimizerConfig`, ...). Key names follow upstream MaxText where
+the concept exists there. A field's metadata holds its allowed values
+(`choices`) or range (`ge`/`gt`/`le`); `config.py` checks them.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def choice(*options: str):
+  return field(metadata={"choices": options})
+
+
+def at_least(lo, *, strict: bool = False):
+  return field(metadata={"gt" if strict else "ge": lo})
+
+
+def between(lo, hi):
+  return field(metadata={"ge": lo, "le": hi})
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  model_name: str
+  base_emb_dim: int = at_least(1)
+  base_num_query_heads: int = at_least(1)
+  base_num_kv_heads: int = at_least(1)
+  base_mlp_dim: int = at_least(1)
+  base_num_decoder_layers: int = at_least(1)
+  first_num_dense_layers: int = at_least(0)
+  vocab_size: int = at_least(2)
+  normalization_layer_epsilon: float = at_least(0.0, strict=True)
+  param_init_std: float = at_least(0.0, strict=True)
+  logits_dot_in_fp32: bool
+  # Multi-head latent attention (DeepSeek-V2/V3).
+  q_lora_rank: int = at_least(0)
+  kv_lora_rank: int = at_least(1)
+  qk_nope_head_dim: int = at_least(1)
+  qk_rope_head_dim: int = at_least(2)
+  v_head_dim: int = at_least(1)
+  rope_type: str = choice("default", "yarn")
+  rope_max_timescale: float = at_least(1.0)
+  rope_factor: float = at_least(1.0)
+  original_max_position_embeddings: int = at_least(1)
+  beta_fast: float = at_least(0.0, strict=True)
+  beta_slow: float = at_least(0.0, strict=True)
+  mscale: float = at_least(0.0)
+  # Multi-token prediction (DeepSeek-V3 section 2.2).
+  mtp_num_layers: int = at_least(0)
+  mtp_loss_scaling_factor: float = at_least(0.0)
+  # Numerics and memory.
+  dtype: str = choice(*DTYPES)
+  weight_dtype: str = choice(*DTYPES)
+  scan_layers: bool
+  remat_policy: str = choice("full", "minimal", "none")
+
+  @property
+  def emb_dim(self) -> int:
+    return self.base_emb_dim
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.base_num_decoder_layers - self.first_num_dense_layers
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+  num_experts: int = at_least(1)
+  num_experts_per_tok: int = at_least(1)
+  base_moe_mlp_dim: int = at_least(1)
+  shared_experts: int = at_least(0)
+  routed_score_func: str = choice("sigmoid", "softmax")
+  routed_scaling_factor: float = at_least(0.0, strict=True)
+  norm_topk_prob: bool
+  routed_bias: bool
+  routed_bias_update_rate: float = at_least(0.0)
+  n_routing_groups: int = at_least(1)
+  topk_routing_group: int = at_least(1)
+  load_balance_loss_weight: float = at_least(0.0)
+  moe_dispatch: str = choice("sort", "capacity")
+  capacity_factor: float
+  moe_gmm_backend: str = choice("xla")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+  learning_rate: float = at_least(0.0)
+  warmup_steps_fraction: float = between(0.0, 1.0)
+  learning_rate_schedule_steps: int
+  cosine_learning_rate_final_fraction: float = between(0.0, 1.0)
+  adam_b1: float = between(0.0, 1.0)
+  adam_b2: float = between(0.0, 1.0)
+  adam_eps: float = at_least(0.0, strict=True)
+  adam_weight_decay: float = at_least(0.0)
+  gradient_clipping_threshold: float = at_least(0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  ici_data_parallelism: int
+  ici_fsdp_parallelism: int
+  ici_expert_parallelism: int
+  ici_tensor_parallelism: int
+  dcn_data_parallelism: int
+  dcn_fsdp_parallelism: int
+  dcn_expert_parallelism: int
+  dcn_tensor_parallelism: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+  dataset_type: str = choice("synthetic")
+  synthetic_data: str = choice("random", "arithmetic")
+  data_shuffle_seed: int = at_least(0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  run_name: str
+  base_output_directory: str
+  per_device_batch_size: int = at_least(1)
+  max_target_length: int = at_least(2)
+  gradient_accumulation_steps: int = at_least(1)
+  steps: int = at_least(1)
+  init_weights_seed: int = at_least(0)
+  log_period: int = at_least(1)
+  enable_tensorboard: bool
+  peak_tflops_per_device: float = at_least(0.0)
+  compile_heartbeat_seconds: float = at_least(0.0)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "optimizer": OptimizerConfig,
+    "mesh": MeshConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+
+
+def key_index() -> dict[str, tuple[str, dataclasses.Field]]:
+  """Every valid config key -> (section name, dataclass field)."""
+  index = {}
+  for section, cls in SECTIONS.items():
+    for f in dataclasses.fields(cls):
+      assert f.name not in index, f"config key {f.name} is declared twice"
+      index[f.name] = (section, f)
+  return index

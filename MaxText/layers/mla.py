@@ -1,0 +1,74 @@
+"""Multi-head latent attention (DeepSeek-V2 section 2.1, DeepSeek-V3 section 2.1.1).
+
+Queries go through a low-rank bottleneck with its own RMSNorm (q_lora_rank; 0
+means a full-rank query). Keys and values are rebuilt per head from one
+compressed latent (kv_lora_rank) with its RMSNorm. The rotary part of the key
+(qk_rope_head_dim) is computed once from the hidden state and shared by all
+heads. Attention is causal; with YaRN the softmax scale carries the mscale
+correction.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.config_schema import ModelConfig
+from MaxText.layers.norms import rms_norm, rms_norm_spec
+from MaxText.layers.rope import apply_rope, yarn_mscale
+from MaxText.params import ParamSpec
+
+
+def mla_specs(cfg: ModelConfig) -> dict:
+  d, h = cfg.emb_dim, cfg.base_num_query_heads
+  specs = {}
+  if cfg.q_lora_rank > 0:
+    specs["wq_a"] = ParamSpec((d, cfg.q_lora_rank), ("embed", "q_lora"))
+    specs["q_norm"] = rms_norm_spec(cfg.q_lora_rank)
+    specs["wq_b"] = ParamSpec((cfg.q_lora_rank, h, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"))
+  else:
+    specs["wq"] = ParamSpec((d, h, cfg.qk_head_dim), ("embed", "heads", "head_dim"))
+  specs["wkv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
+  specs["kv_norm"] = rms_norm_spec(cfg.kv_lora_rank)
+  specs["wkv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"))
+  specs["wo"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
+  return specs
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+  scale = cfg.qk_head_dim**-0.5
+  if cfg.rope_type == "yarn":
+    m = yarn_mscale(cfg.rope_factor, cfg.mscale)
+    scale *= m * m
+  return scale
+
+
+def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, shard) -> jax.Array:
+  """x [batch, seq, embed] -> [batch, seq, embed]; rope = (cos, sin) from rope.rope_tables."""
+  eps, nope = cfg.normalization_layer_epsilon, cfg.qk_nope_head_dim
+  with jax.named_scope("mla_q"):
+    if cfg.q_lora_rank > 0:
+      q = rms_norm(jnp.einsum("bsd,dr->bsr", x, p["wq_a"]), p["q_norm"], eps)
+      q = jnp.einsum("bsr,rhk->bshk", q, p["wq_b"])
+    else:
+      q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
+    q = shard(q, ("batch", "seq", "act_heads", None))
+    q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], *rope)
+
+  with jax.named_scope("mla_kv"):
+    kv_a = jnp.einsum("bsd,dr->bsr", x, p["wkv_a"])
+    latent = rms_norm(kv_a[..., : cfg.kv_lora_rank], p["kv_norm"], eps)
+    k_rope = apply_rope(kv_a[..., None, cfg.kv_lora_rank :], *rope)[:, :, 0, :]  # one head, shared
+    kv = shard(jnp.einsum("bsr,rhk->bshk", latent, p["wkv_b"]), ("batch", "seq", "act_heads", None))
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+
+  with jax.named_scope("attention"):
+    scores = jnp.einsum("bshk,bthk->bhst", q_nope, k_nope, preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bshk,btk->bhst", q_rope, k_rope, preferred_element_type=jnp.float32)
+    scores *= softmax_scale(cfg)
+    seq = x.shape[1]
+    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = shard(jnp.einsum("bhst,bthk->bshk", probs, v), ("batch", "seq", "act_heads", None))
+
+  with jax.named_scope("attention_out"):
+    return jnp.einsum("bshk,hkd->bsd", out, p["wo"])

@@ -1,0 +1,21 @@
+"""The SwiGLU feed-forward block used by the dense layers and the shared experts."""
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.params import ParamSpec
+
+
+def mlp_specs(emb_dim: int, mlp_dim: int) -> dict:
+  return {
+      "wi_0": ParamSpec((emb_dim, mlp_dim), ("embed", "mlp")),
+      "wi_1": ParamSpec((emb_dim, mlp_dim), ("embed", "mlp")),
+      "wo": ParamSpec((mlp_dim, emb_dim), ("mlp", "embed")),
+  }
+
+
+def mlp(p: dict, x: jax.Array, shard) -> jax.Array:
+  gate = jnp.einsum("bsd,df->bsf", x, p["wi_0"])
+  up = jnp.einsum("bsd,df->bsf", x, p["wi_1"])
+  h = shard(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+  return jnp.einsum("bsf,fd->bsd", h, p["wo"])

@@ -1,0 +1,56 @@
+"""The per-step log: one printed line, one JSON line in metrics.jsonl, TensorBoard scalars."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def format_line(step: int, m: dict) -> str:
+  mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "-"
+  parts = [
+      f"step {step:>5d}",
+      f"loss {m['loss']:.4f}",
+      f"lr {m['learning_rate']:.3e}",
+      f"gnorm {m['grad_norm']:.3f}",
+      f"{m['step_time_s'] * 1000:.1f} ms",
+      f"{m['tokens_per_s_per_device']:,.0f} tok/s/dev",
+      f"{m['tflops_per_device']:.2f} TFLOP/s/dev",
+      f"MFU {mfu}",
+      f"experts max/mean {m['expert_load_max']:.0f}/{m['expert_load_mean']:.1f}",
+  ]
+  if m.get("mtp_loss"):
+    parts.append(f"mtp {m['mtp_loss']:.4f}")
+  if m.get("dropped_tokens"):
+    parts.append(f"dropped {m['dropped_tokens']}")
+  return " | ".join(parts)
+
+
+class MetricsWriter:
+  def __init__(self, run_dir: Path, tensorboard: bool):
+    self.jsonl = open(run_dir / "metrics.jsonl", "a")
+    self.tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+  def write(self, step: int, m: dict) -> None:
+    print(format_line(step, m), flush=True)
+    self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+    if self.tb is not None:
+      for key, value in m.items():
+        if isinstance(value, (int, float)) and value is not None and math.isfinite(value):
+          self.tb.add_scalar(key, value, step)
+
+  def flush(self) -> None:
+    self.jsonl.flush()
+    if self.tb is not None:
+      self.tb.flush()
+    sys.stdout.flush()
+
+  def close(self) -> None:
+    self.flush()
+    self.jsonl.close()
+    if self.tb is not None:
+      self.tb.close()

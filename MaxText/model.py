@@ -1,0 +1,210 @@
+r"""DeepSeek-V3 (arXiv:2412.19437) as parameter specs and pure functions.
+
+  tokens -> embed -> [dense layers] -> [MoE layers] -> final norm -> head -> logits
+                                                   \-> MTP modules (optional) -> extra losses
+
+A decoder layer is pre-norm: x + MLA(norm(x)), then h + FFN(norm(h)), where FFN
+is a SwiGLU MLP in the first `first_num_dense_layers` layers and DeepSeekMoE
+after. Layers of each kind are stacked on a leading axis and run with
+`lax.scan` (scan_layers) under `jax.checkpoint` (remat_policy). Embedding and
+output head are untied. Each MTP module k combines the normed hidden state of
+depth k-1 with the normed embedding of token t+k, runs one MoE decoder layer,
+and predicts token t+k+1 through its own final norm and the shared head.
+
+The routing bias is state, passed beside the parameters: {"moe_layers":
+[layers, experts], "mtp_layers": [modules, experts]}.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.config_schema import ModelConfig, MoEConfig
+from MaxText.layers.mla import mla, mla_specs
+from MaxText.layers.mlp import mlp, mlp_specs
+from MaxText.layers.norms import rms_norm, rms_norm_spec
+from MaxText.layers.rope import rope_tables
+from MaxText.moe.layer import MoEStats, moe, moe_specs
+from MaxText.params import ParamSpec, stacked
+
+# Parameters that stay in weight_dtype when the rest is cast to dtype.
+KEEP_PRECISION = ("gate",)
+
+
+class Batch(NamedTuple):
+  inputs: jax.Array  # [batch, seq] int32 token ids
+  targets: jax.Array  # [batch, seq] int32 next-token ids
+  mask: jax.Array  # [batch, seq] float32 loss weights
+
+
+class LossAux(NamedTuple):
+  ce: jax.Array  # main next-token cross-entropy
+  mtp: jax.Array  # mean MTP cross-entropy over modules (0 without MTP)
+  balance: jax.Array  # sum over MoE layers of the sequence-wise balance loss
+  load: dict  # like the bias state: token copies per expert per layer
+  dropped: jax.Array  # token copies dropped by a capacity limit, all layers
+
+
+def layer_specs(m: ModelConfig, moe_cfg: MoEConfig, kind: str) -> dict:
+  ffn = mlp_specs(m.emb_dim, m.base_mlp_dim) if kind == "dense" else moe_specs(m.emb_dim, moe_cfg)
+  return {
+      "attn_norm": rms_norm_spec(m.emb_dim),
+      "mla": mla_specs(m),
+      "ffn_norm": rms_norm_spec(m.emb_dim),
+      "ffn": ffn,
+  }
+
+
+def model_specs(m: ModelConfig, moe_cfg: MoEConfig) -> dict:
+  specs = {
+      "embed": ParamSpec((m.vocab_size, m.emb_dim), ("vocab", "embed")),
+      "final_norm": rms_norm_spec(m.emb_dim),
+      "head": ParamSpec((m.emb_dim, m.vocab_size), ("embed", "vocab")),
+  }
+  if m.first_num_dense_layers:
+    specs["dense_layers"] = stacked(layer_specs(m, moe_cfg, "dense"), m.first_num_dense_layers)
+  if m.num_moe_layers:
+    specs["moe_layers"] = stacked(layer_specs(m, moe_cfg, "moe"), m.num_moe_layers)
+  if m.mtp_num_layers:
+    module = {
+        "embed_norm": rms_norm_spec(m.emb_dim),
+        "hidden_norm": rms_norm_spec(m.emb_dim),
+        "proj": ParamSpec((2 * m.emb_dim, m.emb_dim), (None, "embed")),
+        "layer": layer_specs(m, moe_cfg, "moe"),
+        "final_norm": rms_norm_spec(m.emb_dim),
+    }
+    specs["mtp_layers"] = stacked(module, m.mtp_num_layers)
+  return specs
+
+
+def bias_state(m: ModelConfig, moe_cfg: MoEConfig) -> dict:
+  return {
+      "moe_layers": jnp.zeros((m.num_moe_layers, moe_cfg.num_experts), jnp.float32),
+      "mtp_layers": jnp.zeros((m.mtp_num_layers, moe_cfg.num_experts), jnp.float32),
+  }
+
+
+def cast_for_compute(params: dict, dtype) -> dict:
+  def cast(path, p):
+    name = getattr(path[-1], "key", None)
+    return p if name in KEEP_PRECISION else p.astype(dtype)
+
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _remat(fn, policy: str, scanned: bool):
+  if policy == "none":
+    return fn
+  saveable = {
+      "full": jax.checkpoint_policies.nothing_saveable,
+      "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  }[policy]
+  return jax.checkpoint(fn, policy=saveable, prevent_cse=not scanned)
+
+
+def decoder_layer(p, x, bias, rope, m: ModelConfig, moe_cfg: MoEConfig, shard):
+  eps = m.normalization_layer_epsilon
+  x = shard(x, ("batch", "seq", "act_embed"))
+  h = x + mla(p["mla"], rms_norm(x, p["attn_norm"], eps), rope, m, shard)
+  normed = rms_norm(h, p["ffn_norm"], eps)
+  if bias is None:
+    with jax.named_scope("mlp"):
+      return h + mlp(p["ffn"], normed, shard), None
+  with jax.named_scope("moe"):
+    y, stats = moe(p["ffn"], normed, bias, moe_cfg, shard)
+  return h + y, stats
+
+
+def _run_stack(stack: dict, x, biases, rope, m: ModelConfig, moe_cfg: MoEConfig, shard):
+  """Runs stacked layers over x; returns x and the per-layer MoEStats stacked (or None)."""
+
+  def body(carry, xs):
+    p, b = xs
+    return decoder_layer(p, carry, b, rope, m, moe_cfg, shard)
+
+  body = _remat(body, m.remat_policy, m.scan_layers)
+  if m.scan_layers:
+    return jax.lax.scan(body, x, (stack, biases))
+  num = jax.tree.leaves(stack)[0].shape[0]
+  all_stats = []
+  for i in range(num):
+    x, stats = body(x, jax.tree.map(lambda a: a[i], (stack, biases)))
+    all_stats.append(stats)
+  return x, None if biases is None else jax.tree.map(lambda *s: jnp.stack(s), *all_stats)
+
+
+def _cross_entropy(h, head, targets, mask, m: ModelConfig):
+  """Mean token cross-entropy of logits = h @ head, and the number of weighted tokens."""
+  dot_dtype = jnp.float32 if m.logits_dot_in_fp32 else h.dtype
+  logits = jnp.einsum("bsd,dv->bsv", h.astype(dot_dtype), head.astype(dot_dtype), preferred_element_type=jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  total = jnp.sum(mask)
+  return jnp.sum(nll * mask) / jnp.maximum(total, 1.0), logits
+
+
+def _shift_left(a, fill=0):
+  return jnp.concatenate([a[:, 1:], jnp.full_like(a[:, :1], fill)], axis=1)
+
+
+def loss_fn(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoEConfig, shard) -> tuple[jax.Array, LossAux]:
+  """Training loss: cross-entropy + MTP + balance terms; also returns the expert load."""
+  loss, aux, _ = forward(params, bias, batch, m, moe_cfg, shard)
+  return loss, aux
+
+
+def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoEConfig, shard):
+  """(loss, LossAux, main logits [batch, seq, vocab] float32)."""
+  p = cast_for_compute(params, jnp.dtype(m.dtype))
+  eps = m.normalization_layer_epsilon
+  positions = jnp.broadcast_to(jnp.arange(batch.inputs.shape[1]), batch.inputs.shape)
+  rope = rope_tables(positions, m)
+
+  with jax.named_scope("embed"):
+    x = shard(jnp.take(p["embed"], batch.inputs, axis=0), ("batch", "seq", "act_embed"))
+  no_stats = MoEStats(jnp.zeros((0, moe_cfg.num_experts), jnp.int32), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32))
+  if "dense_layers" in p:
+    x, _ = _run_stack(p["dense_layers"], x, None, rope, m, moe_cfg, shard)
+  moe_stats = no_stats
+  if "moe_layers" in p:
+    x, moe_stats = _run_stack(p["moe_layers"], x, bias["moe_layers"], rope, m, moe_cfg, shard)
+
+  with jax.named_scope("head"):
+    ce, logits = _cross_entropy(rms_norm(x, p["final_norm"], eps), p["head"], batch.targets, batch.mask, m)
+
+  mtp_ce, mtp_stats = jnp.zeros((), jnp.float32), no_stats
+  if "mtp_layers" in p:
+    mtp_ce, mtp_stats = _mtp(p, x, bias["mtp_layers"], batch, rope, m, moe_cfg, shard)
+
+  balance = jnp.sum(moe_stats.balance_loss) + jnp.sum(mtp_stats.balance_loss)
+  loss = ce + m.mtp_loss_scaling_factor * mtp_ce + moe_cfg.load_balance_loss_weight * balance
+  aux = LossAux(
+      ce=ce,
+      mtp=mtp_ce,
+      balance=balance,
+      load={"moe_layers": moe_stats.load, "mtp_layers": mtp_stats.load},
+      dropped=jnp.sum(moe_stats.dropped) + jnp.sum(mtp_stats.dropped),
+  )
+  return loss, aux, logits
+
+
+def _mtp(p, hidden, biases, batch: Batch, rope, m: ModelConfig, moe_cfg: MoEConfig, shard):
+  """Runs the MTP modules in sequence; module k sees token t+k and predicts t+k+1."""
+  eps = m.normalization_layer_epsilon
+
+  def module(carry, xs):
+    h, inputs, targets, mask = carry
+    mp, b = xs
+    inputs, targets, mask = _shift_left(inputs), _shift_left(targets), _shift_left(mask, 0.0)
+    e = rms_norm(jnp.take(p["embed"], inputs, axis=0), mp["embed_norm"], eps)
+    merged = jnp.concatenate([e, rms_norm(h, mp["hidden_norm"], eps)], axis=-1)
+    h = jnp.einsum("bsc,cd->bsd", merged, mp["proj"])
+    h, stats = decoder_layer(mp["layer"], h, b, rope, m, moe_cfg, shard)
+    ce, _ = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, mask, m)
+    return (h, inputs, targets, mask), (ce, stats)
+
+  module = _remat(module, m.remat_policy, scanned=True)
+  with jax.named_scope("mtp"):
+    _, (ces, stats) = jax.lax.scan(module, (hidden, batch.inputs, batch.targets, batch.mask), (p["mtp_layers"], biases))
+  return jnp.mean(ces), stats

@@ -1,0 +1,36 @@
+"""Token dispatch and combine: the single-device permutation between token order
+and expert-grouped order, one module per strategy, chosen by `moe_dispatch`.
+
+Interface (every backend):
+  dispatch(x [tokens, embed], expert_ids [tokens, k], num_experts) -> Dispatched
+      rows grouped by expert, `group_sizes` [experts] rows per expert, and the
+      context that `combine` needs
+  combine(y [rows, embed], weights [tokens, k], dispatched) -> [tokens, embed]
+      the weighted sum over each token's k experts, accumulated in float32
+"""
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+
+class Dispatched(NamedTuple):
+  rows: jax.Array  # [rows, embed], grouped by expert
+  group_sizes: jax.Array  # [experts] int32; rows past their sum are padding
+  dropped: jax.Array  # scalar int32: token copies not computed (always 0 when dropless)
+  context: Any  # backend-specific, for combine
+
+
+class Dispatcher(Protocol):
+  def dispatch(self, x: jax.Array, expert_ids: jax.Array, num_experts: int) -> Dispatched: ...
+
+  def combine(self, y: jax.Array, weights: jax.Array, dispatched: Dispatched) -> jax.Array: ...
+
+
+def get_dispatcher(name: str, capacity_factor: float) -> Dispatcher:
+  from MaxText.moe.dispatch import capacity, sort
+
+  backends = {"sort": lambda: sort.SortDispatcher(), "capacity": lambda: capacity.CapacityDispatcher(capacity_factor)}
+  if name not in backends:
+    raise ValueError(f"unknown moe_dispatch '{name}'; choose one of: {', '.join(backends)}")
+  return backends[name]()

@@ -1,0 +1,106 @@
+"""The device mesh and the one table from logical axis names to mesh axes.
+
+Parameters (through their ParamSpec axes) and activations (through `Sharder`)
+are placed by the same rules, so changing a parallelism strategy means editing
+`LOGICAL_RULES`, not the model.
+"""
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText.config_schema import MeshConfig
+from MaxText.errors import UserError
+from MaxText.params import is_spec
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# logical name -> mesh axis (or tuple of axes, or None = replicated)
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    # parameters
+    "layers": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "head_dim": None,
+    "q_lora": None,
+    "kv_lora": None,
+    "mlp": "tensor",
+    "exp": "expert",
+    "exp_router": None,
+    "norm": None,
+}
+
+
+def logical_to_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
+  used: set[str] = set()
+  out = []
+  for name in axes:
+    mesh_axes = LOGICAL_RULES[name] if name is not None else None
+    as_tuple = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+    clash = used.intersection(as_tuple)
+    assert not clash, f"logical axes {axes} map mesh axis {clash} twice"
+    used.update(as_tuple)
+    out.append(None if not as_tuple else as_tuple[0] if len(as_tuple) == 1 else as_tuple)
+  return PartitionSpec(*out)
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+  """Resolve -1 entries and check that the mesh covers exactly the devices."""
+  shape = {}
+  for level, count in (("ici", num_devices // num_slices), ("dcn", num_slices)):
+    sizes = {a: getattr(cfg, f"{level}_{a}_parallelism") for a in MESH_AXES}
+    for a, v in sizes.items():
+      if v == 0 or v < -1:
+        raise UserError(f"{level}_{a}_parallelism={v}: must be a positive size or -1 (fill)")
+    fill = [a for a, v in sizes.items() if v == -1]
+    if len(fill) > 1:
+      raise UserError(f"only one {level}_*_parallelism may be -1; got -1 for {', '.join(fill)}")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if fill:
+      if count % fixed:
+        raise UserError(f"{level} mesh: {count} devices are not divisible by the fixed axes' product {fixed} ({_fmt(sizes)})")
+      sizes[fill[0]] = count // fixed
+    if math.prod(sizes.values()) != count:
+      raise UserError(f"{level} mesh {_fmt(sizes)} has {math.prod(sizes.values())} devices but {count} are available; make the product {count} or set one axis to -1")
+    for a in MESH_AXES:
+      shape[a] = shape.get(a, 1) * sizes[a]
+  return shape
+
+
+def _fmt(sizes: dict[str, int]) -> str:
+  return " x ".join(f"{a}={v}" for a, v in sizes.items())
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+  devices = list(jax.devices() if devices is None else devices)
+  num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+  shape = mesh_shape(cfg, len(devices), num_slices)
+  return Mesh(np.asarray(devices).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
+
+
+def param_shardings(specs, mesh: Mesh):
+  return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes)), specs, is_leaf=is_spec)
+
+
+class Sharder:
+  """Constrains activations by logical axes; a no-op without a mesh (unit tests, reference paths)."""
+
+  def __init__(self, mesh: Mesh | None = None):
+    self.mesh = mesh
+
+  def __call__(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, logical_to_spec(axes)))
+
+  def named(self, axes: tuple[str | None, ...]) -> NamedSharding:
+    return NamedSharding(self.mesh, logical_to_spec(axes))

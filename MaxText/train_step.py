@@ -1,0 +1,142 @@
+"""The train state, its shardings, and the jitted training step.
+
+  TrainState = params (weight_dtype master weights) + optimizer state
+               + routing bias (not trained by gradient) + step
+
+One step: split the batch into microbatches (gradient_accumulation_steps),
+sum their gradients in float32, clip and apply AdamW, then move the routing
+bias against the observed expert load.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText import model, params
+from MaxText.config import Config
+from MaxText.moe import router
+from MaxText.optimizer import learning_rate_schedule, make_optimizer
+from MaxText.sharding import Sharder, param_shardings
+
+
+class TrainState(NamedTuple):
+  params: dict
+  opt_state: Any
+  bias: dict
+  step: jax.Array
+
+
+class Trainer:
+  """Builds the state and step for one config on one mesh."""
+
+  def __init__(self, cfg: Config, mesh: Mesh):
+    self.cfg, self.mesh = cfg, mesh
+    self.specs = model.model_specs(cfg.model, cfg.moe)
+    self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps, self.specs)
+    self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    self.shard = Sharder(mesh)
+    self.batch_sharding = self.shard.named(("batch", "seq"))
+    self.state_shardings = self._state_shardings()
+
+  @property
+  def global_batch(self) -> int:
+    return self.cfg.train.per_device_batch_size * self.mesh.size
+
+  # ---- state ----
+  def abstract_state(self) -> TrainState:
+    p = params.abstract(self.specs, jnp.dtype(self.cfg.model.weight_dtype))
+    return TrainState(p, jax.eval_shape(self.optimizer.init, p), jax.eval_shape(lambda: model.bias_state(self.cfg.model, self.cfg.moe)), jax.ShapeDtypeStruct((), jnp.int32))
+
+  def _state_shardings(self) -> TrainState:
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    p_shard = param_shardings(self.specs, self.mesh)
+    by_path = {tuple(path): s for path, s in jax.tree_util.tree_leaves_with_path(p_shard)}
+    abstract = self.abstract_state()
+    shapes = {tuple(path): a.shape for path, a in jax.tree_util.tree_leaves_with_path(abstract.params)}
+
+    def like_param(path, leaf):
+      # Optimizer moments mirror the parameter tree: shard each like its parameter.
+      for i in range(len(path)):
+        if shapes.get(tuple(path[i:])) == leaf.shape:
+          return by_path[tuple(path[i:])]
+      return replicated
+
+    opt = jax.tree_util.tree_map_with_path(like_param, abstract.opt_state)
+    bias = jax.tree.map(lambda _: replicated, abstract.bias)
+    return TrainState(p_shard, opt, bias, replicated)
+
+  def init_state(self) -> TrainState:
+    dtype = jnp.dtype(self.cfg.model.weight_dtype)
+
+    def init():
+      key = jax.random.key(self.cfg.train.init_weights_seed)
+      p = params.initialize(self.specs, key, dtype, self.cfg.model.param_init_std)
+      return TrainState(p, self.optimizer.init(p), model.bias_state(self.cfg.model, self.cfg.moe), jnp.zeros((), jnp.int32))
+
+    return jax.jit(init, out_shardings=self.state_shardings)()
+
+  # ---- step ----
+  def _grads(self, p, bias, batch: model.Batch):
+    m, moe_cfg = self.cfg.model, self.cfg.moe
+    grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+    accum = self.cfg.train.gradient_accumulation_steps
+    if accum == 1:
+      return grad_fn(p, bias, batch, m, moe_cfg, self.shard)
+
+    # Microbatch i takes rows i, i+accum, ... so that every device keeps its rows.
+    def split(a):
+      return a.reshape(a.shape[0] // accum, accum, *a.shape[1:]).swapaxes(0, 1)
+
+    micro = jax.tree.map(split, batch)
+
+    def body(acc, mb):
+      (loss, aux), g = grad_fn(p, bias, model.Batch(*mb), m, moe_cfg, self.shard)
+      acc_g, acc_loss, acc_aux = acc
+      acc_g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)
+      acc_aux = jax.tree.map(jnp.add, acc_aux, aux)
+      return (acc_g, acc_loss + loss, acc_aux), None
+
+    zero_g = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+    aux_shape = jax.eval_shape(lambda mb: grad_fn(p, bias, model.Batch(*mb), m, moe_cfg, self.shard)[0][1], jax.tree.map(lambda a: a[0], micro))
+    zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux_shape)
+    (g, loss, aux), _ = jax.lax.scan(body, (zero_g, jnp.zeros((), jnp.float32), zero_aux), micro)
+    mean = lambda x: x / accum  # noqa: E731
+    # Loads and dropped counts are totals over the step; losses are means over microbatches.
+    aux = aux._replace(ce=mean(aux.ce), mtp=mean(aux.mtp), balance=mean(aux.balance))
+    return (loss / accum, aux), jax.tree.map(lambda a, x: mean(a).astype(x.dtype), g, p)
+
+  def step(self, state: TrainState, batch: model.Batch) -> tuple[TrainState, dict]:
+    (loss, aux), grads = self._grads(state.params, state.bias, batch)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    bias = state.bias
+    if self.cfg.moe.routed_bias and self.cfg.moe.routed_bias_update_rate > 0:
+      bias = {k: router.update_bias(bias[k], aux.load[k], self.cfg.moe.routed_bias_update_rate) for k in bias}
+    loads = jnp.concatenate([aux.load["moe_layers"], aux.load["mtp_layers"]], axis=0)
+    metrics = {
+        "loss": loss,
+        "ce_loss": aux.ce,
+        "mtp_loss": aux.mtp,
+        "balance_loss": aux.balance,
+        "grad_norm": grad_norm,
+        "learning_rate": self.schedule(state.step),
+        "expert_load_max": jnp.max(loads, initial=0).astype(jnp.float32),
+        "expert_load_mean": jnp.mean(loads).astype(jnp.float32) if loads.size else jnp.zeros((), jnp.float32),
+        "dropped_tokens": aux.dropped,
+    }
+    return TrainState(new_params, opt_state, bias, state.step + 1), metrics
+
+  def jit_step(self):
+    return jax.jit(
+        self.step,
+        in_shardings=(self.state_shardings, self.batch_sharding),
+        out_shardings=(self.state_shardings, None),
+        donate_argnums=(0,),
+    )
+
+  def device_batch(self, host_batch: model.Batch) -> model.Batch:
+    return model.Batch(*(jax.make_array_from_process_local_data(self.batch_sharding, a) for a in host_batch))
