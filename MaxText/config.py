@@ -71,22 +71,22 @@ def _resolve(name: str, relative_to: Path, key: str) -> Path:
   raise UserError(f"{key}: {name} (named in {relative_to}) not found; give a path relative to that file or to {REPO_ROOT}")
 
 
-def _layers_of(recipe: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
-  """The files a recipe stands on, lowest first: model config, base recipes, the recipe."""
-  if recipe in seen:
-    raise UserError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, recipe))}")
-  data = _read_yaml(recipe)
+def _layers_of(path: Path, seen: tuple[Path, ...] = (), model_only: bool = False) -> list[tuple[Path, dict[str, Any]]]:
+  """The files a recipe stands on, lowest first: its base recipes, model config, itself.
+
+  Model configs may build on model configs (base_config) but name no model_config.
+  """
+  if path in seen:
+    raise UserError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+  data = _read_yaml(path)
   layers = []
   if "base_config" in data:
-    layers += _layers_of(_resolve(str(data.pop("base_config")), recipe, "base_config"), (*seen, recipe))
+    layers += _layers_of(_resolve(str(data.pop("base_config")), path, "base_config"), (*seen, path), model_only)
   if "model_config" in data:
-    model = _resolve(str(data.pop("model_config")), recipe, "model_config")
-    model_data = _read_yaml(model)
-    for k in PATH_KEYS:
-      if k in model_data:
-        raise UserError(f"{model}: a model config cannot name {k}")
-    layers.append((model, model_data))
-  layers.append((recipe, data))
+    if model_only:
+      raise UserError(f"{path}: a model config cannot name model_config; use base_config")
+    layers += _layers_of(_resolve(str(data.pop("model_config")), path, "model_config"), (*seen, path), model_only=True)
+  layers.append((path, data))
   return layers
 
 

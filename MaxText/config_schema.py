@@ -51,6 +51,7 @@ class ModelConfig:
   beta_fast: float = at_least(0.0, strict=True)
   beta_slow: float = at_least(0.0, strict=True)
   mscale: float = at_least(0.0)
+  attention: str = choice("dot_product", "cudnn_flash")
   # Multi-token prediction (DeepSeek-V3 section 2.2).
   mtp_num_layers: int = at_least(0)
   mtp_loss_scaling_factor: float = at_least(0.0)

@@ -92,8 +92,10 @@ def train(cfg: Config) -> list[dict]:
   data = SyntheticData(cfg.data, trainer.global_batch, seq, cfg.model.vocab_size)
   state = trainer.init_state()
   batch = trainer.device_batch(data.batch(0))
+  compile_start = time.perf_counter()
   with progress("Compiling the training step", cfg.train.compile_heartbeat_seconds):
     step_fn = trainer.jit_step().lower(state, batch).compile()
+  compile_s = time.perf_counter() - compile_start
   mem = step_fn.memory_analysis()
   if mem is not None:
     print(f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
@@ -124,7 +126,27 @@ def train(cfg: Config) -> list[dict]:
   finally:
     writer.close()
   jax.block_until_ready(state)
+  summary = summarize(history, compile_s)
+  (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+  print("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()), flush=True)
   return history
+
+
+def summarize(history: list[dict], compile_s: float) -> dict:
+  """Medians over the steps after the first two (which include warm-up), and peak device memory."""
+  import statistics
+
+  import jax
+
+  steady = history[2:] or history
+  summary = {"steps": len(history), "compile_s": compile_s, "final_loss": history[-1]["loss"]}
+  for key in ("step_time_s", "tokens_per_s_per_device", "tflops_per_device", "mfu"):
+    values = [h[key] for h in steady if h.get(key) is not None]
+    summary[f"median_{key}"] = statistics.median(values) if values else None
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    summary["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
+  return summary
 
 
 def rates(step_time: float, tokens: int, devices: int, flops_per_token: float, peak: float | None) -> dict:

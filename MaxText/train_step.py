@@ -110,7 +110,7 @@ class Trainer:
 
   def step(self, state: TrainState, batch: model.Batch) -> tuple[TrainState, dict]:
     (loss, aux), grads = self._grads(state.params, state.bias, batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     bias = state.bias

@@ -41,6 +41,27 @@ def softmax_scale(cfg: ModelConfig) -> float:
   return scale
 
 
+def dot_product_attention(q, k, v, scale: float) -> jax.Array:
+  """Causal attention with the [seq, seq] scores materialised in float32; runs anywhere."""
+  scores = jnp.einsum("bshk,bthk->bhst", q, k, preferred_element_type=jnp.float32) * scale
+  seq = q.shape[1]
+  causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+  probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
+  return jnp.einsum("bhst,bthk->bshk", probs.astype(v.dtype), v)
+
+
+def cudnn_flash_attention(q, k, v, scale: float) -> jax.Array:
+  """cuDNN fused flash attention (GPU only). It wants one head size for q, k and v, so v
+  (v_head_dim) is zero-padded to the q/k size (qk_nope + qk_rope) and the padding sliced off."""
+  pad = q.shape[-1] - v.shape[-1]
+  v_padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v
+  out = jax.nn.dot_product_attention(q, k, v_padded, scale=scale, is_causal=True, implementation="cudnn")
+  return out[..., : v.shape[-1]]
+
+
+ATTENTION = {"dot_product": dot_product_attention, "cudnn_flash": cudnn_flash_attention}
+
+
 def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, shard) -> jax.Array:
   """x [batch, seq, embed] -> [batch, seq, embed]; rope = (cos, sin) from rope.rope_tables."""
   eps, nope = cfg.normalization_layer_epsilon, cfg.qk_nope_head_dim
@@ -61,14 +82,9 @@ def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConf
     k_nope, v = kv[..., :nope], kv[..., nope:]
 
   with jax.named_scope("attention"):
-    scores = jnp.einsum("bshk,bthk->bhst", q_nope, k_nope, preferred_element_type=jnp.float32)
-    scores += jnp.einsum("bshk,btk->bhst", q_rope, k_rope, preferred_element_type=jnp.float32)
-    scores *= softmax_scale(cfg)
-    seq = x.shape[1]
-    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = shard(jnp.einsum("bhst,bthk->bshk", probs, v), ("batch", "seq", "act_heads", None))
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+    out = shard(ATTENTION[cfg.attention](q, k, v, softmax_scale(cfg)), ("batch", "seq", "act_heads", None))
 
   with jax.named_scope("attention_out"):
     return jnp.einsum("bshk,hkd->bsd", out, p["wo"])

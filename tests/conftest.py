@@ -1,0 +1,24 @@
+"""Shared test setup: 8 host CPU devices (set before JAX starts) and small configs."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = REPO / "recipes" / "deepseek_v3_tiny.yml"
+
+
+@pytest.fixture
+def tiny_config():
+  """Loads the tiny recipe with overrides, writing runs under a temp dir."""
+  from MaxText.config import load_config
+
+  def load(*overrides: str, recipe=TINY_RECIPE):
+    return load_config(recipe, list(overrides))
+
+  return load
