@@ -201,6 +201,10 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
     fail("capacity_factor", "moe_dispatch=capacity needs capacity_factor > 0 (e.g. 1.25)")
   if moe.moe_dispatch == "sort" and moe.capacity_factor > 0:
     fail("capacity_factor", "moe_dispatch=sort is dropless; set capacity_factor=-1 or choose moe_dispatch=capacity")
+  if moe.moe_gmm_backend == "padded" and moe.moe_dispatch != "capacity":
+    fail("moe_gmm_backend", "padded runs equal-capacity groups; set moe_dispatch=capacity (and capacity_factor)")
+  if moe.moe_gmm_backend == "mosaic" and m.dtype not in ("bfloat16", "float16"):
+    fail("moe_gmm_backend", f"mosaic runs bf16/fp16 tensor-core kernels; set dtype=bfloat16 (dtype is {m.dtype})")
   if t.per_device_batch_size % t.gradient_accumulation_steps:
     fail("gradient_accumulation_steps", f"per_device_batch_size={t.per_device_batch_size} is not divisible by {t.gradient_accumulation_steps}")
   if cfg.optimizer.learning_rate_schedule_steps == 0 or cfg.optimizer.learning_rate_schedule_steps < -1:

@@ -90,7 +90,7 @@ class MoEConfig:
   load_balance_loss_weight: float = at_least(0.0)
   moe_dispatch: str = choice("sort", "capacity")
   capacity_factor: float
-  moe_gmm_backend: str = choice("xla")
+  moe_gmm_backend: str = choice("xla", "padded", "mosaic", "tokamax", "te", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ sum their gradients in float32, clip and apply AdamW, then move the routing
 bias against the observed expert load.
 """
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -17,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import model, params
 from MaxText.config import Config
-from MaxText.moe import router
+from MaxText.moe import gmm, router
 from MaxText.optimizer import learning_rate_schedule, make_optimizer
 from MaxText.sharding import Sharder, param_shardings
 
@@ -33,6 +34,10 @@ class Trainer:
   """Builds the state and step for one config on one mesh."""
 
   def __init__(self, cfg: Config, mesh: Mesh):
+    backend, why = gmm.resolve(cfg.moe.moe_gmm_backend, mesh.devices.flat[0], cfg.model.dtype)
+    if backend != cfg.moe.moe_gmm_backend:
+      print(f"moe_gmm_backend={cfg.moe.moe_gmm_backend} -> {backend}: {why}", flush=True)
+      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_gmm_backend=backend))
     self.cfg, self.mesh = cfg, mesh
     self.specs = model.model_specs(cfg.model, cfg.moe)
     self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps, self.specs)

@@ -1,0 +1,321 @@
+"""Grouped-GEMM benchmark at DeepSeek-V3 expert shapes: every backend side by side, in one run.
+
+  python benchmarks/grouped_gemm.py --out DIR [--tune] [--quick]
+  python benchmarks/grouped_gemm.py --plot DIR/grouped_gemm.json      # bar chart PNG (needs matplotlib)
+
+Shapes: gate+up (K=7168 -> N=4096) and down (K=2048 -> N=7168), M=32768 token rows, G in {4, 8, 32}
+groups, balanced and skewed (Dirichlet(0.5), seed 0) group sizes rounded to multiples of 16 (what
+torch._grouped_mm needs). Rows: each available backend (xla, mosaic, padded, tokamax, te), the dense
+GEMM of the same FLOPs, and torch._grouped_mm when a CUDA torch is importable; forward and
+forward+backward (dx and dw). JAX timings are device kernel time from CUPTI (Mosaic GPU's profiler),
+torch's from CUDA events; both after warm-up, median of repeats. TFLOP/s count useful FLOPs only
+(2MKN forward, 6MKN forward+backward), so padding shows up as lost throughput.
+
+--tune first searches Mosaic tile parameters for each kernel and width pair, writes
+mosaic_tiles.json into DIR (copy it to MaxText/moe/gmm/ to make it the tuned table) and benchmarks
+with it.
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+M = 32768
+SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
+CASES = [(4, "balanced"), (4, "skewed"), (8, "balanced"), (32, "balanced"), (32, "skewed")]
+
+
+def group_sizes(m: int, g: int, kind: str) -> np.ndarray:
+  if kind == "balanced":
+    sizes = np.full(g, m // g)
+  else:
+    sizes = np.floor(np.random.default_rng(0).dirichlet(np.full(g, 0.5)) * m / 16).astype(int) * 16
+  sizes[int(np.argmax(sizes))] += m - sizes.sum()
+  return sizes.astype(np.int32)
+
+
+# ---- timing ----
+def jax_time_ms(fn, args, iters: int) -> tuple[float, str]:
+  """Median device time per call: CUPTI kernel time when available, else host wall time per call."""
+  import jax
+
+  jax.block_until_ready(fn(*args))  # compile + warm-up
+  jax.block_until_ready(fn(*args))
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, times = profiler.measure(fn, iterations=iters)(*args)
+    if times:
+      return statistics.median(times), "cupti"
+  except Exception as e:  # CUPTI can be unavailable in containers; say so in the results
+    print(f"CUPTI unavailable ({type(e).__name__}: {e}); timing on the host", flush=True)
+  samples = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(samples), "host"
+
+
+def torch_time_ms(fn, iters: int) -> float:
+  import torch
+
+  for _ in range(3):
+    fn()
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(iters):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    samples.append(start.elapsed_time(end))
+  return statistics.median(samples)
+
+
+# ---- JAX rows ----
+def jax_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+
+  from MaxText.moe import gmm as registry
+
+  sizes_np = group_sizes(M, g, kind)
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (M, k), jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  dy = jax.random.normal(keys[2], (M, n), jnp.bfloat16)
+  sizes = jnp.asarray(sizes_np)
+  flops = 2.0 * M * k * n
+  rows = []
+
+  def add(backend, fwd, fwd_bwd, args, extra=None):
+    for mode, fn, mult in (("fwd", fwd, 1), ("fwd+bwd", fwd_bwd, 3)):
+      try:
+        ms, timer = jax_time_ms(jax.jit(fn), args, iters)
+        rows.append({"backend": backend, "mode": mode, "ms": ms, "tflops": mult * flops / ms / 1e9, "timer": timer, **(extra or {})})
+      except Exception as e:
+        rows.append({"backend": backend, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+      print(k, n, g, kind, rows[-1], flush=True)
+
+  def grad_fn(f):
+    def run(x, w, dy):
+      y, vjp = jax.vjp(f, x, w)
+      return y, *vjp(dy)
+
+    return run
+
+  for name in ("xla", "mosaic", "tokamax", "te"):
+    if registry.available(name):
+      f = registry.get_gmm(name)
+      add(name, lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
+
+  # Fixed capacity: every group padded to the largest group (rounded to 128 rows).
+  cap = int(-(-sizes_np.max() // 128) * 128)
+  starts = np.concatenate([[0], np.cumsum(sizes_np)[:-1]])
+  index = np.full((g, cap), M, np.int32)  # M -> a zero row
+  for e in range(g):
+    index[e, : sizes_np[e]] = starts[e] + np.arange(sizes_np[e])
+  index = jnp.asarray(index)
+
+  def padded(x, w):
+    xp = jnp.take(jnp.concatenate([x, jnp.zeros((1, k), x.dtype)]), index, axis=0)
+    return jnp.einsum("gck,gkn->gcn", xp, w, preferred_element_type=x.dtype)
+
+  pad_factor = g * cap / M
+  dyp = jnp.zeros((g, cap, n), jnp.bfloat16)
+  add("padded", lambda x, w, dy: padded(x, w), grad_fn(padded), (x, w, dyp), extra={"pad_factor": pad_factor})
+
+  w0 = w[0]
+  add("dense", lambda x, w, dy: x @ w, grad_fn(lambda x, w: x @ w), (x, w0, dy))
+  return rows
+
+
+# ---- torch rows ----
+def torch_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
+  try:
+    import torch
+  except ImportError:
+    return []
+  if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+    return []
+  sizes = group_sizes(M, g, kind)
+  offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+  x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+  w = (torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_(True)
+  dy = torch.randn(M, n, device="cuda", dtype=torch.bfloat16)
+  flops = 2.0 * M * k * n
+  rows = []
+  try:
+    with torch.no_grad():
+      fwd_ms = torch_time_ms(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), iters)
+
+    def fwd_bwd():
+      torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(dy)
+
+    both_ms = torch_time_ms(fwd_bwd, iters)
+    rows.append({"backend": "torch._grouped_mm", "mode": "fwd", "ms": fwd_ms, "tflops": flops / fwd_ms / 1e9, "timer": "cuda_events"})
+    rows.append({"backend": "torch._grouped_mm", "mode": "fwd+bwd", "ms": both_ms, "tflops": 3 * flops / both_ms / 1e9, "timer": "cuda_events"})
+  except Exception as e:
+    rows.append({"backend": "torch._grouped_mm", "mode": "fwd", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+  for r in rows:
+    print(k, n, g, kind, r, flush=True)
+  return rows
+
+
+# ---- tuning ----
+def tune(out_dir: Path, iters: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+  from MaxText.moe.gmm import mosaic
+
+  g = 8
+  sizes = jnp.asarray(group_sizes(M, g, "balanced"))
+  fwd_space = [(128, bn, 64, st, gb) for bn, st, gb in itertools.product((128,), (4, 5, 6), (2, 4, 8))] + [
+      (128, 256, 64, st, gb) for st, gb in itertools.product((3, 4), (2, 4))
+  ]
+  wgrad_space = [(128, 128, bk, st, gb) for bk, st, gb in itertools.product((64, 128), (2, 4), (1, 4, 8))]
+  best, measured = {}, {}
+  for (k, n), kernel in itertools.product(SHAPES.values(), ("fwd", "dgrad", "wgrad")):
+    # Widths as the kernel sees them: fwd contracts k into n; dgrad contracts n into k; wgrad (k, n).
+    key = f"{kernel}:{k}x{n}" if kernel != "dgrad" else f"dgrad:{n}x{k}"
+    x = jax.random.normal(jax.random.key(1), (M, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (g, k, n), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(3), (M, n), jnp.bfloat16)
+    results = {}
+    for tiles in wgrad_space if kernel == "wgrad" else fwd_space:
+      kw = dict(zip(mosaic.TILE_NAMES, tiles))
+      out_width = n if kernel in ("fwd", "wgrad") else k
+      if out_width % (kw["block_n"] * (kw["grid_block_n"] if kernel != "wgrad" else 1)):
+        continue
+      if kernel == "fwd":
+        fn, args = (lambda x, w, kw=kw: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, **kw)), (x, w)
+      elif kernel == "dgrad":
+        fn, args = (lambda dy, w, kw=kw: ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **kw)), (dy, w)
+      else:
+        fn, args = (lambda x, dy, kw=kw: transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=sizes, **kw)), (x, dy)
+      try:
+        ms, _ = jax_time_ms(jax.jit(fn), args, iters)
+        results[str(tiles)] = 2.0 * M * k * n / ms / 1e9
+      except Exception as e:
+        results[str(tiles)] = f"{type(e).__name__}: {str(e)[:120]}"
+    valid = {t: v for t, v in results.items() if isinstance(v, float)}
+    if valid:
+      top = max(valid, key=valid.get)
+      best[key] = list(json.loads(top.replace("(", "[").replace(")", "]")))
+      print(f"tuned {key}: {best[key]} at {valid[top]:.0f} TFLOP/s", flush=True)
+    measured[key] = results
+  table = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "groups": g, "rows": M, "tiles": best, "tflops_by_tiles": measured}
+  path = out_dir / "mosaic_tiles.json"
+  path.write_text(json.dumps(table, indent=1))
+  mosaic.TILES_FILE = path
+  mosaic.tuned_tiles.cache_clear()
+  return table
+
+
+# ---- report ----
+def machine() -> dict:
+  import jax
+  import jaxlib
+
+  info = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d")}
+  try:
+    info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+  except OSError:
+    info["gpu"] = None
+  try:
+    import torch
+
+    info["torch"] = torch.__version__
+  except ImportError:
+    info["torch"] = None
+  return info
+
+
+def markdown(results: dict) -> str:
+  m = results["machine"]
+  lines = [
+      f"# Grouped GEMM, M={M} rows, bf16 ({m['gpu']}; jax {m['jax']}, torch {m.get('torch')}, {m['date']})",
+      "",
+      "TFLOP/s of useful work (padding counts as lost time). Ratios: mosaic over the named row, fwd+bwd.",
+      "",
+      "| shape | G | sizes | mode | " + " | ".join(results["backends"]) + " | mosaic/torch | mosaic/dense | mosaic/xla |",
+      "|---" * (5 + len(results["backends"]) + 3) + "|",
+  ]
+  for case in results["cases"]:
+    for mode in ("fwd", "fwd+bwd"):
+      by = {r["backend"]: r for r in case["rows"] if r["mode"] == mode}
+      cells = [f"{by[b]['tflops']:.0f}" if "tflops" in by.get(b, {}) else "-" for b in results["backends"]]
+      ratio = lambda other: f"{by['mosaic']['tflops'] / by[other]['tflops']:.2f}" if "tflops" in by.get("mosaic", {}) and "tflops" in by.get(other, {}) else "-"  # noqa: E731
+      lines.append(f"| {case['shape']} | {case['groups']} | {case['sizes']} | {mode} | " + " | ".join(cells) + f" | {ratio('torch._grouped_mm')} | {ratio('dense')} | {ratio('xla')} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(json_path: Path) -> Path:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  results = json.loads(json_path.read_text())
+  backends = results["backends"]
+  labels, values = [], {b: [] for b in backends}
+  for case in results["cases"]:
+    labels.append(f"{case['shape']}\nG={case['groups']} {case['sizes'][:4]}")
+    by = {r["backend"]: r for r in case["rows"] if r["mode"] == "fwd+bwd"}
+    for b in backends:
+      values[b].append(by.get(b, {}).get("tflops", 0.0))
+  fig, ax = plt.subplots(figsize=(max(10, len(labels) * 1.3), 5))
+  width = 0.8 / len(backends)
+  for i, b in enumerate(backends):
+    ax.bar(np.arange(len(labels)) + i * width, values[b], width, label=b)
+  ax.set_xticks(np.arange(len(labels)) + 0.4 - width / 2, labels, fontsize=8)
+  ax.set_ylabel("TFLOP/s (useful), forward + backward")
+  ax.set_title(f"Grouped GEMM on {results['machine']['device']}, M={M}, bf16")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  out = json_path.with_suffix(".png")
+  fig.savefig(out, dpi=120)
+  return out
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", type=Path)
+  ap.add_argument("--tune", action="store_true")
+  ap.add_argument("--quick", action="store_true", help="G=8 balanced and G=32 skewed only")
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--plot", type=Path)
+  args = ap.parse_args()
+  if args.plot:
+    print(plot(args.plot))
+    return 0
+  args.out.mkdir(parents=True, exist_ok=True)
+  results = {"machine": machine(), "rows_M": M}
+  if args.tune:
+    results["tuning"] = tune(args.out, iters=5)["tiles"]
+  cases = [(8, "balanced"), (32, "skewed")] if args.quick else CASES
+  results["cases"] = []
+  for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
+    rows = jax_rows(k, n, g, kind, args.iters) + torch_rows(k, n, g, kind, args.iters)
+    results["cases"].append({"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "rows": rows})
+    (args.out / "grouped_gemm.json").write_text(json.dumps({**results, "backends": []}, indent=1))
+  results["backends"] = list(dict.fromkeys(r["backend"] for c in results["cases"] for r in c["rows"]))
+  (args.out / "grouped_gemm.json").write_text(json.dumps(results, indent=1))
+  (args.out / "grouped_gemm.md").write_text(markdown(results))
+  print(markdown(results))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

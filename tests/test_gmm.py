@@ -1,0 +1,109 @@
+"""Grouped GEMM backends on CPU: the VJP rule against jax.grad of ragged_dot, padded, registry, auto, tiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.moe import gmm
+from MaxText.moe.gmm import mosaic, padded, vjp
+from MaxText.moe.layer import moe, moe_specs
+from MaxText import params
+from MaxText.sharding import Sharder
+
+SIZES = {
+    "balanced": [8, 8, 8, 8],
+    "empty groups": [0, 20, 0, 12],
+    "one group": [0, 0, 32, 0],
+    "not tile multiples": [5, 13, 1, 11],
+    "padding rows": [3, 7, 0, 10],  # sums to 20 of 32 rows
+}
+
+
+def _inputs(m=32, k=24, n=40, g=4, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return jax.random.normal(ks[0], (m, k)), jax.random.normal(ks[1], (g, k, n)), jax.random.normal(ks[2], (m, n))
+
+
+@pytest.mark.parametrize("case", SIZES)
+def test_custom_vjp_matches_autodiff_of_ragged_dot(case):
+  sizes = jnp.array(SIZES[case], jnp.int32)
+  x, w, dy = _inputs()
+  rule = vjp.grouped_gemm_with_vjp(vjp.xla_fwd, vjp.xla_dgrad, vjp.xla_wgrad)
+  y, pullback = jax.vjp(lambda x, w: rule(x, w, sizes), x, w)
+  y_ref, pullback_ref = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+  valid = int(sizes.sum())
+  dy = dy.at[valid:].set(0.0)  # callers never read padding rows, so their cotangent is zero
+  np.testing.assert_allclose(y[:valid], y_ref[:valid], rtol=1e-5, atol=1e-5)
+  for got, want in zip(pullback(dy), pullback_ref(dy)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  # and under jit + grad of a scalar loss, as training uses it
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w, sizes)[:valid] ** 2)  # noqa: E731
+  for got, want in zip(jax.jit(jax.grad(loss(rule), argnums=(0, 1)))(x, w), jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_matches_xla_on_the_capacity_layout():
+  x, w, _ = _inputs(m=32, g=4)
+  sizes = jnp.full((4,), 8, jnp.int32)
+  np.testing.assert_allclose(padded.gmm(x, w, sizes), jax.lax.ragged_dot(x, w, sizes), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="use moe_dispatch=capacity"):
+    padded.gmm(x[:30], w, sizes)
+
+
+def test_moe_layer_with_padded_backend_equals_xla(tiny_config):
+  xla_cfg = tiny_config("moe_dispatch=capacity", "capacity_factor=2.0")
+  pad_cfg = tiny_config("moe_dispatch=capacity", "capacity_factor=2.0", "moe_gmm_backend=padded")
+  p = params.initialize(moe_specs(64, xla_cfg.moe), jax.random.key(0), jnp.float32, 0.1)
+  x = jax.random.normal(jax.random.key(1), (2, 16, 64))
+  bias = jnp.zeros((8,))
+  want, _ = moe(p, x, bias, xla_cfg.moe, Sharder())
+  got, _ = moe(p, x, bias, pad_cfg.moe, Sharder())
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_registry_and_clear_errors(tiny_config):
+  assert set(gmm.CHOICES) == {"xla", "padded", "mosaic", "tokamax", "te", "auto"}
+  with pytest.raises(ValueError, match="unknown moe_gmm_backend 'cutlass'; choose one of: xla, padded, mosaic, tokamax, te, auto"):
+    gmm.get_gmm("cutlass")
+  for name in ("te", "tokamax"):
+    if not gmm.available(name):
+      with pytest.raises(RuntimeError, match=f"moe_gmm_backend={name} needs .* not installed; pip install"):
+        gmm.get_gmm(name)
+  from MaxText.errors import UserError
+
+  with pytest.raises(UserError, match="padded runs equal-capacity groups; set moe_dispatch=capacity"):
+    tiny_config("moe_gmm_backend=padded")
+  with pytest.raises(UserError, match="mosaic runs bf16/fp16 tensor-core kernels; set dtype=bfloat16"):
+    tiny_config("moe_gmm_backend=mosaic")
+  with pytest.raises(TypeError, match="set dtype=bfloat16"):
+    mosaic._fwd(jnp.ones((8, 128)), jnp.ones((2, 128, 128)), jnp.array([4, 4]))
+
+
+class FakeDevice:
+  def __init__(self, platform, kind, capability=None):
+    self.platform, self.device_kind, self.compute_capability = platform, kind, capability
+
+
+def test_auto_resolves_by_device_and_says_why():
+  name, why = gmm.resolve("auto", jax.devices()[0], "float32")
+  assert name == "xla" and "not an sm_90 GPU" in why
+  name, why = gmm.resolve("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16")
+  assert name == ("mosaic" if gmm.available("mosaic") else "xla")
+  assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA A100", "8.0"), "bfloat16")[0] == "xla"
+  assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "float32")[0] == "xla"
+  assert gmm.resolve("xla", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == ("xla", "chosen in the config")
+
+
+def test_mosaic_tiles_and_padding():
+  assert mosaic.tiles_for("fwd", 123456, 7) == dict(zip(mosaic.TILE_NAMES, mosaic.DEFAULT_TILES["fwd"]))
+  for key, tiles in mosaic.tuned_tiles().items():
+    kernel, widths = key.split(":")
+    k, n = map(int, widths.split("x"))
+    assert kernel in mosaic.DEFAULT_TILES and len(tiles) == 5
+    assert mosaic.tiles_for(kernel, k, n) == dict(zip(mosaic.TILE_NAMES, tiles))
+    assert k % mosaic.PAD == 0 and n % mosaic.PAD == 0
+  a = jnp.ones((3, 200))
+  padded_a = mosaic._pad(a, 1)
+  assert padded_a.shape == (3, 256) and float(padded_a[:, 200:].sum()) == 0.0
+  assert mosaic._pad(jnp.ones((3, 256)), 1).shape == (3, 256)
