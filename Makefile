@@ -8,12 +8,14 @@ ARGS ?=
 
 .PHONY: install train test doctor clean
 
-$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt requirements-gpu-aot.txt pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: set PYTHON to a Python >= 3.12" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -e .
+	# the CUDA plugin, kept apart: only the compile-only GPU checks put it on their path
+	$(PY) -m pip install -q --no-deps --target $(VENV)/gpu-aot -r requirements-gpu-aot.txt
 	touch $(STAMP)
 
 install: $(STAMP)

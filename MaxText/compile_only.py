@@ -1,0 +1,77 @@
+"""Compile-only GPU devices: compile for H100/H200 GPUs on a machine without them.
+
+XLA's CUDA plugin can describe a GPU topology from a target config (the device
+facts its compiler needs) instead of from attached GPUs; JAX's
+`topologies.get_topology_desc` turns that into devices that jit can lower and
+compile for, but not run on. Used by the GPU-lowering tests (and the planner).
+The CUDA plugin must be importable (requirements-gpu-aot.txt, installed with
+--no-deps); CUDA itself is not needed.
+"""
+
+from dataclasses import dataclass
+
+from MaxText.errors import UserError
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+  name: str  # device_kind as the driver reports it
+  memory_bytes: int
+  memory_bandwidth: int  # bytes/s
+  sms: int = 132
+  l2_bytes: int = 50 * 2**20
+  clock_ghz: float = 1.98
+
+
+# Hopper SXM parts: same SM count and clocks; they differ in HBM size and bandwidth.
+GPUS = {
+    "h100": GpuSpec("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000),
+    "h200": GpuSpec("NVIDIA H200", 150_754_820_096, 4_800_000_000_000),
+}
+
+
+def target_config(gpu: str, cuda_major: int = 13, cudnn: tuple[int, int] = (9, 12)) -> str:
+  """A stream_executor.GpuTargetConfigProto in text form for `gpu`."""
+  s = GPUS[gpu]
+  return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {s.sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {s.memory_bandwidth}
+  l2_cache_size: {s.l2_bytes}
+  clock_rate_ghz: {s.clock_ghz}
+  device_memory_size: {s.memory_bytes}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+runtime_version {{ major: {cuda_major} }}
+platform_name: "CUDA"
+dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} }}
+device_description_str: "{s.name}"
+"""
+
+
+def devices(gpu: str, num_gpus: int, gpus_per_host: int = 8) -> list:
+  """`num_gpus` compile-only devices of kind `gpu`, `gpus_per_host` to a host."""
+  if gpu not in GPUS:
+    raise UserError(f"--gpu {gpu}: unknown GPU; choose one of: {', '.join(GPUS)}")
+  per_host = min(num_gpus, gpus_per_host)
+  if num_gpus % per_host:
+    raise UserError(f"--num-gpus {num_gpus} is not a multiple of {per_host} GPUs per host")
+  from jax.experimental import topologies
+
+  try:
+    topo = topologies.get_topology_desc(f"{gpu}x{num_gpus}", "cuda", target_config=target_config(gpu), topology=f"1x{num_gpus // per_host}x{per_host}")
+  except (NotImplementedError, RuntimeError) as e:
+    raise UserError(f"compile-only GPU devices need the CUDA plugin of this jaxlib (pip install --no-deps -r requirements-gpu-aot.txt): {str(e).splitlines()[0]}") from None
+  return list(topo.devices)

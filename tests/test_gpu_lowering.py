@@ -1,0 +1,42 @@
+"""GPU lowering, checked on a CPU machine: the training step and the Mosaic grouped GEMM compile for
+compile-only H200 devices (MaxText/compile_only.py). The CUDA plugin lives outside the main
+environment (`make` installs requirements-gpu-aot.txt into .venv/gpu-aot), so each check runs in a
+subprocess with it on PYTHONPATH."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_RECIPE
+
+PLUGIN_SITE = Path(os.environ.get("MAXTEXT_GPU_AOT_SITE", REPO / ".venv" / "gpu-aot"))
+SCRIPT = REPO / "tests" / "compile_only" / "lower_for_gpu.py"
+
+if not (PLUGIN_SITE / "jax_plugins").is_dir():
+  pytest.skip(f"CUDA plugin not installed in {PLUGIN_SITE}: run `make install` (pip install --no-deps --target {PLUGIN_SITE} -r requirements-gpu-aot.txt)", allow_module_level=True)
+
+
+def lower(*args: str) -> dict:
+  env = {**os.environ, "PYTHONPATH": f"{PLUGIN_SITE}:{REPO}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_train_step_compiles_for_eight_h200s_with_fsdp_and_tensor_parallelism():
+  # attention=cudnn_flash needs the cuDNN library at trace time, so it is checked on the GPU (tests/gpu/).
+  result = lower("train_step", str(TINY_RECIPE), "dtype=bfloat16", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=2")
+  assert result["device_kind"] == "NVIDIA H200"
+  assert result["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+  assert {"all-gather", "reduce-scatter"} <= set(result["collectives"])  # FSDP gathers weights, scatters grads
+  assert result["temp_bytes"] > 0
+
+
+def test_mosaic_grouped_gemm_lowers_for_h200():
+  result = lower("mosaic_gmm")
+  assert result == {"device_kind": "NVIDIA H200", "mosaic_custom_call": True}
