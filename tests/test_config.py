@@ -124,3 +124,9 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, messag
   assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
   assert "Traceback" not in proc.stderr
   assert not out.exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(p.relative_to(REPO).as_posix() for p in (REPO / "recipes").rglob("*.yml")))
+def test_every_recipe_loads(recipe):
+  cfg = load_config(REPO / recipe)
+  assert cfg.model.model_name != "default"  # each recipe names a model config
