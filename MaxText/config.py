@@ -175,7 +175,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | tuple[str, ...
 
 
 def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
-  m, moe, t = cfg.model, cfg.moe, cfg.train
+  m, moe, t, d = cfg.model, cfg.moe, cfg.train, cfg.data
 
   def fail(key: str, msg: str):
     raise UserError(f"{key}: {msg} (set in {origin[key]})")
@@ -209,3 +209,19 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
     fail("gradient_accumulation_steps", f"per_device_batch_size={t.per_device_batch_size} is not divisible by {t.gradient_accumulation_steps}")
   if cfg.optimizer.learning_rate_schedule_steps == 0 or cfg.optimizer.learning_rate_schedule_steps < -1:
     fail("learning_rate_schedule_steps", "must be -1 (use steps) or a positive number of steps")
+  _check_data(d, m, fail)
+
+
+def _check_data(d, m, fail) -> None:
+  """Real datasets: the keys each dataset_type needs (files themselves are checked when the data is opened)."""
+  if d.dataset_type == "synthetic":
+    return
+  needs = {"tfds": "dataset_name", "grain": "grain_train_files", "hf": "hf_path"}[d.dataset_type]
+  if not getattr(d, needs):
+    fail(needs, f"dataset_type={d.dataset_type} needs {needs}")
+  if d.tokenize_train_data and not d.tokenizer_path:
+    fail("tokenizer_path", f"dataset_type={d.dataset_type} needs a tokenizer file (or tokenize_train_data=false for token-id columns)")
+  if not d.train_data_columns:
+    fail("train_data_columns", "name the column that holds the documents")
+  if d.packing and m.attention != "dot_product":
+    fail("packing", f"packed rows need segment-aware attention: set attention=dot_product (not {m.attention}) or packing=false")

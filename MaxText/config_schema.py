@@ -120,9 +120,27 @@ class MeshConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-  dataset_type: str = choice("synthetic")
+  dataset_type: str = choice("synthetic", "tfds", "grain", "hf")
   synthetic_data: str = choice("random", "arithmetic")
   data_shuffle_seed: int = at_least(0)
+  enable_data_shuffling: bool
+  # Where the documents come from (one of these, by dataset_type).
+  dataset_path: str  # tfds: the data_dir holding <name>/<version>/
+  dataset_name: str  # tfds: name[:version]
+  train_split: str
+  grain_train_files: str
+  grain_file_type: str = choice("arrayrecord", "parquet", "jsonl", "text")
+  hf_path: str
+  hf_data_dir: str
+  hf_train_files: str
+  train_data_columns: str
+  # Tokenizing and packing.
+  tokenizer_type: str = choice("sentencepiece", "tiktoken", "huggingface")
+  tokenizer_path: str
+  tokenize_train_data: bool
+  add_bos: bool
+  add_eos: bool
+  packing: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +156,13 @@ class TrainConfig:
   enable_tensorboard: bool
   peak_tflops_per_device: float = at_least(0.0)
   compile_heartbeat_seconds: float = at_least(0.0)
+  # Checkpoints, resume and faults.
+  enable_checkpointing: bool
+  async_checkpointing: bool
+  checkpoint_period: int = at_least(1)
+  max_num_checkpoints_to_keep: int = at_least(1)
+  load_parameters_path: str
+  nan_policy: str = choice("stop", "skip")
 
 
 SECTIONS = {

@@ -36,6 +36,10 @@ class Batch(NamedTuple):
   inputs: jax.Array  # [batch, seq] int32 token ids
   targets: jax.Array  # [batch, seq] int32 next-token ids
   mask: jax.Array  # [batch, seq] float32 loss weights
+  # Packed sequences (several documents per row): which document each token belongs to (1, 2, ...;
+  # 0 = padding) and its position within that document. None = one document per row, positions 0..seq-1.
+  segment_ids: jax.Array | None = None  # [batch, seq] int32
+  positions: jax.Array | None = None  # [batch, seq] int32
 
 
 class LossAux(NamedTuple):
@@ -103,10 +107,10 @@ def _remat(fn, policy: str, scanned: bool):
   return jax.checkpoint(fn, policy=saveable, prevent_cse=not scanned)
 
 
-def decoder_layer(p, x, bias, rope, m: ModelConfig, moe_cfg: MoEConfig, shard):
+def decoder_layer(p, x, bias, rope, m: ModelConfig, moe_cfg: MoEConfig, shard, segment_ids=None):
   eps = m.normalization_layer_epsilon
   x = shard(x, ("batch", "seq", "act_embed"))
-  h = x + mla(p["mla"], rms_norm(x, p["attn_norm"], eps), rope, m, shard)
+  h = x + mla(p["mla"], rms_norm(x, p["attn_norm"], eps), rope, m, shard, segment_ids)
   normed = rms_norm(h, p["ffn_norm"], eps)
   if bias is None:
     with jax.named_scope("mlp"):
@@ -116,12 +120,12 @@ def decoder_layer(p, x, bias, rope, m: ModelConfig, moe_cfg: MoEConfig, shard):
   return h + y, stats
 
 
-def _run_stack(stack: dict, x, biases, rope, m: ModelConfig, moe_cfg: MoEConfig, shard):
+def _run_stack(stack: dict, x, biases, rope, m: ModelConfig, moe_cfg: MoEConfig, shard, segment_ids=None):
   """Runs stacked layers over x; returns x and the per-layer MoEStats stacked (or None)."""
 
   def body(carry, xs):
     p, b = xs
-    return decoder_layer(p, carry, b, rope, m, moe_cfg, shard)
+    return decoder_layer(p, carry, b, rope, m, moe_cfg, shard, segment_ids)
 
   body = _remat(body, m.remat_policy, m.scan_layers)
   if m.scan_layers:
@@ -158,17 +162,20 @@ def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoE
   """(loss, LossAux, main logits [batch, seq, vocab] float32)."""
   p = cast_for_compute(params, jnp.dtype(m.dtype))
   eps = m.normalization_layer_epsilon
-  positions = jnp.broadcast_to(jnp.arange(batch.inputs.shape[1]), batch.inputs.shape)
+  positions = batch.positions
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(batch.inputs.shape[1]), batch.inputs.shape)
   rope = rope_tables(positions, m)
+  seg = batch.segment_ids
 
   with jax.named_scope("embed"):
     x = shard(jnp.take(p["embed"], batch.inputs, axis=0), ("batch", "seq", "act_embed"))
   no_stats = MoEStats(jnp.zeros((0, moe_cfg.num_experts), jnp.int32), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32))
   if "dense_layers" in p:
-    x, _ = _run_stack(p["dense_layers"], x, None, rope, m, moe_cfg, shard)
+    x, _ = _run_stack(p["dense_layers"], x, None, rope, m, moe_cfg, shard, seg)
   moe_stats = no_stats
   if "moe_layers" in p:
-    x, moe_stats = _run_stack(p["moe_layers"], x, bias["moe_layers"], rope, m, moe_cfg, shard)
+    x, moe_stats = _run_stack(p["moe_layers"], x, bias["moe_layers"], rope, m, moe_cfg, shard, seg)
 
   with jax.named_scope("head"):
     ce, logits = _cross_entropy(rms_norm(x, p["final_norm"], eps), p["head"], batch.targets, batch.mask, m)
@@ -190,21 +197,31 @@ def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoE
 
 
 def _mtp(p, hidden, biases, batch: Batch, rope, m: ModelConfig, moe_cfg: MoEConfig, shard):
-  """Runs the MTP modules in sequence; module k sees token t+k and predicts t+k+1."""
+  """Runs the MTP modules in sequence; module k sees token t+k and predicts t+k+1.
+
+  With packed rows, a position whose token t+k lies in another document gets no MTP loss, so no
+  module learns to predict across a document boundary.
+  """
   eps = m.normalization_layer_epsilon
+  seg = batch.segment_ids
 
   def module(carry, xs):
-    h, inputs, targets, mask = carry
+    h, inputs, targets, mask, shifted_seg = carry
     mp, b = xs
     inputs, targets, mask = _shift_left(inputs), _shift_left(targets), _shift_left(mask, 0.0)
+    loss_mask = mask
+    if seg is not None:
+      shifted_seg = _shift_left(shifted_seg)
+      loss_mask = mask * (shifted_seg == seg).astype(mask.dtype)
     e = rms_norm(jnp.take(p["embed"], inputs, axis=0), mp["embed_norm"], eps)
     merged = jnp.concatenate([e, rms_norm(h, mp["hidden_norm"], eps)], axis=-1)
     h = jnp.einsum("bsc,cd->bsd", merged, mp["proj"])
-    h, stats = decoder_layer(mp["layer"], h, b, rope, m, moe_cfg, shard)
-    ce, _ = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, mask, m)
-    return (h, inputs, targets, mask), (ce, stats)
+    h, stats = decoder_layer(mp["layer"], h, b, rope, m, moe_cfg, shard, seg)
+    ce, _ = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, loss_mask, m)
+    return (h, inputs, targets, mask, shifted_seg), (ce, stats)
 
   module = _remat(module, m.remat_policy, scanned=True)
+  init = (hidden, batch.inputs, batch.targets, batch.mask, seg)
   with jax.named_scope("mtp"):
-    _, (ces, stats) = jax.lax.scan(module, (hidden, batch.inputs, batch.targets, batch.mask), (p["mtp_layers"], biases))
+    _, (ces, stats) = jax.lax.scan(module, init, (p["mtp_layers"], biases))
   return jnp.mean(ces), stats

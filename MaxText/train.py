@@ -1,12 +1,21 @@
 """Train from a recipe: `python -m MaxText.train RECIPE.yml [key=value ...]`.
 
-config (validated, nothing written yet) -> mesh -> run directory -> state
--> compile the step (with progress) -> loop: data -> step -> metrics.
+config (validated, nothing written yet) -> mesh -> data (opened and checked)
+-> latest checkpoint (checked against the config) -> run directory -> state
+(restored, or initialised) -> compile the step (with progress) -> loop: data ->
+step -> metrics, a checkpoint every checkpoint_period steps, at the end and on
+SIGTERM.
+
+Exit codes: 0 finished; 2 bad input (one `error:` line, nothing written);
+1 the loss went NaN/Inf under nan_policy=stop (the last checkpoint is intact);
+143 stopped by SIGTERM after saving a checkpoint (run the same command to resume).
 """
 
 import contextlib
 import json
+import math
 import platform
+import signal
 import sys
 import threading
 import time
@@ -16,6 +25,8 @@ from MaxText.config import Config, load_config
 from MaxText.errors import UserError, exit_on_user_error
 
 USAGE = "usage: python -m MaxText.train RECIPE.yml [key=value ...]"
+EXIT_NONFINITE = 1  # the loss went NaN/Inf (nan_policy=stop)
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: checkpoint saved, run again to resume (0 means finished)
 
 
 @contextlib.contextmanager
@@ -39,10 +50,14 @@ def progress(what: str, every_s: float):
     print(f"{what}: done in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def make_run_dir(cfg: Config) -> Path:
+def run_directory(cfg: Config) -> Path:
   name = cfg.train.run_name or f"{cfg.model.model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-  run_dir = Path(cfg.train.base_output_directory) / name
-  if (run_dir / "metrics.jsonl").exists():
+  return Path(cfg.train.base_output_directory) / name
+
+
+def make_run_dir(run_dir: Path, resumable: bool) -> Path:
+  """Creates the run directory; one that already holds a run is an error unless checkpointing may resume it."""
+  if (run_dir / "metrics.jsonl").exists() and not resumable:
     raise UserError(f"run directory {run_dir} already holds a run; choose another run_name or remove it")
   run_dir.mkdir(parents=True, exist_ok=True)
   return run_dir
@@ -67,33 +82,112 @@ def describe(cfg: Config, trainer, flops_per_token: float) -> str:
   )
 
 
+class NonFiniteLoss(Exception):
+  """The loss or gradient norm became NaN/Inf under nan_policy=stop; nothing after it was saved."""
+
+
+class Preempted(Exception):
+  """SIGTERM arrived: a checkpoint was saved (if enabled) and the loop stopped cleanly."""
+
+  def __init__(self, message: str, history: list[dict]):
+    super().__init__(message)
+    self.history = history
+
+
+class Preemption:
+  """Turns the first SIGTERM into a request to save and stop after the current step; a second one kills at once.
+
+  With several processes every one must stop at the same step: jax.distributed's preemption
+  sync point (which catches SIGTERM itself) decides, through the coordination service, not the devices.
+  """
+
+  def __init__(self):
+    import jax
+
+    self.requested = False
+    self.multi_process = jax.process_count() > 1
+
+  def __enter__(self):
+    if not self.multi_process:
+      self.previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    self.requested = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+  def __exit__(self, *exc):
+    if not self.multi_process:
+      signal.signal(signal.SIGTERM, self.previous)
+
+  def should_stop(self, step: int) -> bool:
+    if not self.multi_process:
+      return self.requested
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
+def initial_state(cfg: Config, trainer, ckpt, start: int | None, data, abstract):
+  """(state, first step): checkpoint `start` restored with the data iterator, or a fresh state
+  (optionally with the parameters of load_parameters_path)."""
+  from MaxText import checkpointing
+
+  if start is not None:
+    state, data_state = ckpt.restore(start)
+    data.set_state(data_state)
+    print(f"resumed from checkpoint {ckpt.directory / str(start)} (step {start})", flush=True)
+    return state, start
+  state = trainer.init_state()
+  if cfg.train.load_parameters_path:
+    state = state._replace(params=checkpointing.load_parameters(cfg.train.load_parameters_path, abstract.params))
+    print(f"parameters loaded from {cfg.train.load_parameters_path}", flush=True)
+  return state, 0
+
+
 def train(cfg: Config) -> list[dict]:
-  """Runs the training loop; returns the per-step metrics."""
+  """Runs (or resumes) the training loop; returns this session's per-step metrics.
+
+  Raises NonFiniteLoss (nan_policy=stop) or Preempted (SIGTERM) after closing the files and
+  finishing any checkpoint in flight.
+  """
   import jax
 
-  from MaxText import flops
-  from MaxText.data import SyntheticData
+  from MaxText import checkpointing, flops
+  from MaxText.data import make_iterator
   from MaxText.metrics import MetricsWriter
   from MaxText.sharding import make_mesh
   from MaxText.train_step import Trainer
 
+  t = cfg.train
   mesh = make_mesh(cfg.mesh)
   trainer = Trainer(cfg, mesh)
-  seq = cfg.train.max_target_length
+  seq = t.max_target_length
   flops_per_token = flops.training_flops_per_token(cfg.model, cfg.moe, seq)
-  peak = flops.peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops_per_device)
+  peak = flops.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_per_device)
+  # Everything that can be wrong with the input is checked before the run directory is written.
+  data = make_iterator(cfg.data, local_batch=trainer.global_batch // jax.process_count(), global_batch=trainer.global_batch,
+                       seq_len=seq, vocab_size=cfg.model.vocab_size, process_index=jax.process_index(), process_count=jax.process_count())
+  run_dir = run_directory(cfg)
+  abstract = checkpointing.with_shardings(trainer.abstract_state(), trainer.state_shardings)
+  ckpt = checkpointing.Checkpointer(run_dir / "checkpoints", cfg, abstract, trainer.global_batch) if t.enable_checkpointing else None
+  start = ckpt.latest_step() if ckpt else None
+  if start is not None:
+    if start >= t.steps:
+      raise UserError(f"run directory {run_dir} already holds a run finished at step {start} (steps={t.steps}); "
+                      "raise steps to train on, or choose another run_name")
+    ckpt.check_compatible(start)
 
-  run_dir = make_run_dir(cfg)
+  make_run_dir(run_dir, resumable=ckpt is not None)
   (run_dir / "config.yml").write_text(cfg.to_yaml())
   (run_dir / "environment.json").write_text(json.dumps(environment(), indent=1))
   print(f"run directory: {run_dir}")
   print(describe(cfg, trainer, flops_per_token), flush=True)
 
-  data = SyntheticData(cfg.data, trainer.global_batch, seq, cfg.model.vocab_size)
-  state = trainer.init_state()
-  batch = trainer.device_batch(data.batch(0))
+  state, start = initial_state(cfg, trainer, ckpt, start, data, abstract)
+  batch = trainer.device_batch(next(data))
   compile_start = time.perf_counter()
-  with progress("Compiling the training step", cfg.train.compile_heartbeat_seconds):
+  with progress("Compiling the training step", t.compile_heartbeat_seconds):
     step_fn = trainer.jit_step().lower(state, batch).compile()
   compile_s = time.perf_counter() - compile_start
   mem = step_fn.memory_analysis()
@@ -102,33 +196,74 @@ def train(cfg: Config) -> list[dict]:
           f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB")
 
   tokens_per_step = trainer.global_batch * seq
-  writer = MetricsWriter(run_dir, cfg.train.enable_tensorboard)
+  writer = MetricsWriter(run_dir, t.enable_tensorboard)
   history = []
   pending = None  # (step, metrics on device): fetched one step late so the device never waits for the host
   last_done = time.perf_counter()
+
+  def fetch_and_log():
+    nonlocal pending, last_done
+    if pending is None:
+      return
+    done_step, done_metrics = pending
+    pending = None
+    values = {k: v.item() for k, v in jax.device_get(done_metrics).items()}
+    now = time.perf_counter()
+    step_time, last_done = now - last_done, now
+    values.update(rates(step_time, tokens_per_step, mesh.size, flops_per_token, peak))
+    history.append({"step": done_step, **values})
+    finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
+    if done_step % t.log_period == 0 or done_step == t.steps - 1 or not finite:
+      writer.write(done_step, values)
+      writer.flush()
+    if not finite:
+      what = f"step {done_step}: loss {values['loss']}, grad norm {values['grad_norm']}"
+      if t.nan_policy == "skip":
+        print(f"{what}: not finite; step skipped, state unchanged (nan_policy=skip)", flush=True)
+        return
+      good = ckpt.last_saved if ckpt and ckpt.last_saved is not None else (start or None)
+      last = f"the last checkpoint is step {good} in {ckpt.directory}" if ckpt and good else "there is no checkpoint"
+      raise NonFiniteLoss(f"{what}: not finite; stopped (nan_policy=stop); {last}. "
+                          "Resume from it with a lower learning_rate, or set nan_policy=skip")
+
+  stopped_at = None
   try:
-    for step in range(cfg.train.steps + 1):
-      if step < cfg.train.steps:
+    with Preemption() as preemption:
+      for step in range(start, t.steps):
         state, metrics = step_fn(state, batch)
-        if step + 1 < cfg.train.steps:
-          batch = trainer.device_batch(data.batch(step + 1))
-      if pending is not None:
-        done_step, done_metrics = pending
-        values = {k: v.item() for k, v in jax.device_get(done_metrics).items()}
-        now = time.perf_counter()
-        step_time, last_done = now - last_done, now
-        values.update(rates(step_time, tokens_per_step, mesh.size, flops_per_token, peak))
-        history.append({"step": done_step, **values})
-        if done_step % cfg.train.log_period == 0 or done_step == cfg.train.steps - 1:
-          writer.write(done_step, values)
-          writer.flush()
-      pending = (step, metrics) if step < cfg.train.steps else None
+        done = step + 1  # state.step once this step has run
+        stop = preemption.should_stop(done)
+        save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
+        if save or stop:
+          # Only a state whose update was finite is saved: fetch this step's metrics first.
+          fetch_and_log()
+          pending = (step, metrics)
+          fetch_and_log()
+          if save:
+            ckpt.save(done, state, data.get_state())
+        if stop:
+          stopped_at = done
+          break
+        if done < t.steps:
+          batch = trainer.device_batch(next(data))
+        if not save:
+          fetch_and_log()
+          pending = (step, metrics)
+      fetch_and_log()
   finally:
     writer.close()
+    if ckpt is not None:
+      ckpt.wait()
+      ckpt.close()
   jax.block_until_ready(state)
-  summary = summarize(history, compile_s)
+  summary = summarize(history, compile_s) if history else {"steps": 0, "compile_s": compile_s}
+  if stopped_at is not None:
+    summary["stopped"] = f"SIGTERM at step {stopped_at}"
   (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
   print("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()), flush=True)
+  if stopped_at is not None:
+    saved = f"checkpoint saved at step {stopped_at} in {ckpt.directory}" if ckpt else "no checkpoint (enable_checkpointing=false)"
+    raise Preempted(f"SIGTERM: stopped after step {stopped_at - 1}; {saved}", history)
   return history
 
 
@@ -181,7 +316,14 @@ def main(argv: list[str]) -> int:
   if "=" in argv[0] or not argv[0].endswith((".yml", ".yaml")):
     raise UserError(f"the first argument must be a recipe .yml file, got '{argv[0]}'; {USAGE}")
   cfg = load_config(argv[0], argv[1:])
-  train(cfg)
+  try:
+    train(cfg)
+  except NonFiniteLoss as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_NONFINITE
+  except Preempted as e:
+    print(str(e), flush=True)
+    return EXIT_PREEMPTED
   return 0
 
 

@@ -5,7 +5,10 @@
 
 One step: split the batch into microbatches (gradient_accumulation_steps),
 sum their gradients in float32, clip and apply AdamW, then move the routing
-bias against the observed expert load.
+bias against the observed expert load. A step whose loss or gradient norm is
+not finite leaves params, optimizer state and bias as they were (the step
+counter still advances past the bad batch); the loop then stops or goes on by
+nan_policy.
 """
 
 import dataclasses
@@ -133,6 +136,13 @@ class Trainer:
         "expert_load_mean": jnp.mean(loads).astype(jnp.float32) if loads.size else jnp.zeros((), jnp.float32),
         "dropped_tokens": aux.dropped,
     }
+    # A non-finite loss or gradient never reaches the state, decided on device (the select fuses into the
+    # update): nan_policy=skip goes on from the unchanged state, nan_policy=stop stops with no NaN ever saved.
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_params, opt_state, bias = jax.tree.map(
+        lambda new, old: jnp.where(ok, new, old), (new_params, opt_state, bias), (state.params, state.opt_state, state.bias)
+    )
+    metrics["nonfinite"] = (~ok).astype(jnp.int32)
     return TrainState(new_params, opt_state, bias, state.step + 1), metrics
 
   def jit_step(self):
@@ -144,4 +154,5 @@ class Trainer:
     )
 
   def device_batch(self, host_batch: model.Batch) -> model.Batch:
-    return model.Batch(*(jax.make_array_from_process_local_data(self.batch_sharding, a) for a in host_batch))
+    """This process's rows (numpy) -> global arrays; optional fields left None stay None."""
+    return model.Batch(*(None if a is None else jax.make_array_from_process_local_data(self.batch_sharding, a) for a in host_batch))

@@ -4,8 +4,8 @@ Queries go through a low-rank bottleneck with its own RMSNorm (q_lora_rank; 0
 means a full-rank query). Keys and values are rebuilt per head from one
 compressed latent (kv_lora_rank) with its RMSNorm. The rotary part of the key
 (qk_rope_head_dim) is computed once from the hidden state and shared by all
-heads. Attention is causal; with YaRN the softmax scale carries the mscale
-correction.
+heads. Attention is causal and, for packed rows, stays within a document
+(segment ids); with YaRN the softmax scale carries the mscale correction.
 """
 
 import jax
@@ -41,18 +41,28 @@ def softmax_scale(cfg: ModelConfig) -> float:
   return scale
 
 
-def dot_product_attention(q, k, v, scale: float) -> jax.Array:
-  """Causal attention with the [seq, seq] scores materialised in float32; runs anywhere."""
+def dot_product_attention(q, k, v, scale: float, segment_ids=None) -> jax.Array:
+  """Causal attention with the [seq, seq] scores materialised in float32; runs anywhere.
+
+  segment_ids [batch, seq] (packed rows): a token attends only to earlier tokens of its own
+  segment. Every query keeps at least itself, so no softmax row is empty (padding, segment 0,
+  attends to padding).
+  """
   scores = jnp.einsum("bshk,bthk->bhst", q, k, preferred_element_type=jnp.float32) * scale
   seq = q.shape[1]
-  causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
-  probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
+  allowed = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+  if segment_ids is not None:
+    allowed = allowed & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  probs = jax.nn.softmax(jnp.where(allowed, scores, jnp.finfo(jnp.float32).min), axis=-1)
   return jnp.einsum("bhst,bthk->bshk", probs.astype(v.dtype), v)
 
 
-def cudnn_flash_attention(q, k, v, scale: float) -> jax.Array:
+def cudnn_flash_attention(q, k, v, scale: float, segment_ids=None) -> jax.Array:
   """cuDNN fused flash attention (GPU only). It wants one head size for q, k and v, so v
-  (v_head_dim) is zero-padded to the q/k size (qk_nope + qk_rope) and the padding sliced off."""
+  (v_head_dim) is zero-padded to the q/k size (qk_nope + qk_rope) and the padding sliced off.
+  Packed rows are refused when the config is loaded (packing needs attention=dot_product)."""
+  if segment_ids is not None:
+    raise ValueError("cudnn_flash attention does not take segment ids; packing needs attention=dot_product")
   pad = q.shape[-1] - v.shape[-1]
   v_padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v
   out = jax.nn.dot_product_attention(q, k, v_padded, scale=scale, is_causal=True, implementation="cudnn")
@@ -62,8 +72,9 @@ def cudnn_flash_attention(q, k, v, scale: float) -> jax.Array:
 ATTENTION = {"dot_product": dot_product_attention, "cudnn_flash": cudnn_flash_attention}
 
 
-def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, shard) -> jax.Array:
-  """x [batch, seq, embed] -> [batch, seq, embed]; rope = (cos, sin) from rope.rope_tables."""
+def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, shard, segment_ids=None) -> jax.Array:
+  """x [batch, seq, embed] -> [batch, seq, embed]; rope = (cos, sin) from rope.rope_tables;
+  segment_ids [batch, seq] or None (see dot_product_attention)."""
   eps, nope = cfg.normalization_layer_epsilon, cfg.qk_nope_head_dim
   with jax.named_scope("mla_q"):
     if cfg.q_lora_rank > 0:
@@ -84,7 +95,7 @@ def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConf
   with jax.named_scope("attention"):
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-    out = shard(ATTENTION[cfg.attention](q, k, v, softmax_scale(cfg)), ("batch", "seq", "act_heads", None))
+    out = shard(ATTENTION[cfg.attention](q, k, v, softmax_scale(cfg), segment_ids), ("batch", "seq", "act_heads", None))
 
   with jax.named_scope("attention_out"):
     return jnp.einsum("bshk,hkd->bsd", out, p["wo"])

@@ -4,6 +4,9 @@
   arithmetic  each sequence is (start + stride * i) mod vocab with a random start
               and stride: learnable from two tokens of context, so the loss of a
               working model falls well below log(vocab); used by tests and demos
+
+`SyntheticIterator` walks the steps and hands each process its rows; its
+checkpointed state is just the next step.
 """
 
 import numpy as np
@@ -30,3 +33,26 @@ class SyntheticData:
       tokens = (start + stride * np.arange(self.seq_len + 1)) % self.vocab
     tokens = tokens.astype(np.int32)
     return Batch(tokens[:, :-1], tokens[:, 1:], np.ones((self.global_batch, self.seq_len), np.float32))
+
+
+class SyntheticIterator:
+  """This process's rows of SyntheticData, step after step (processes own contiguous row blocks)."""
+
+  def __init__(self, data: SyntheticData, process_index: int = 0, process_count: int = 1):
+    self.data, self.step = data, 0
+    rows = data.global_batch // process_count
+    self.rows = slice(process_index * rows, (process_index + 1) * rows)
+
+  def __next__(self) -> Batch:
+    batch = self.data.batch(self.step)
+    self.step += 1
+    return Batch(*(None if a is None else a[self.rows] for a in batch))
+
+  def __iter__(self):
+    return self
+
+  def get_state(self) -> dict:
+    return {"step": self.step}
+
+  def set_state(self, state: dict) -> None:
+    self.step = int(state["step"])

@@ -1,0 +1,120 @@
+"""The grain pipeline every real dataset runs through, from documents to this process's batches.
+
+  documents (sources.py)
+    -> this process's share: every process_count-th document, from process_index
+    -> shuffled (a new permutation each epoch, from data_shuffle_seed), repeated forever
+    -> token ids: tokenizer (tokenizers.py) + optional BOS/EOS, or the column's ids as they are
+    -> pieces of at most max_target_length + 1 tokens (a long document becomes several)
+    -> each piece as (inputs = piece[:-1], targets = piece[1:])
+    -> packing: first-fit into rows with segment ids (1, 2, ... per piece, 0 = padding)
+       and positions restarting at 0 in each piece; or one piece per row, zero-padded
+    -> local_batch rows -> model.Batch (loss mask 1 on real tokens, 0 on padding)
+
+The processes' shares are disjoint and together cover the dataset. Everything
+is deterministic given the config, and the iterator state (grain's, JSON-able)
+pins the exact position, so a restored iterator yields the same batches as the
+original would have.
+"""
+
+import numpy as np
+
+from MaxText.config_schema import DataConfig
+from MaxText.data import sources
+from MaxText.data.tokenizers import load_tokenizer
+from MaxText.errors import UserError
+from MaxText.model import Batch
+
+
+class Tokenize:
+  """A document (text or token ids) -> int32 token ids, with BOS/EOS as configured."""
+
+  def __init__(self, cfg: DataConfig, vocab_size: int):
+    self.tok = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path) if cfg.tokenize_train_data else None
+    self.vocab_size = vocab_size
+    self.bos = self.eos = None
+    if self.tok is not None:
+      if self.tok.vocab_size > vocab_size:
+        raise UserError(f"tokenizer {cfg.tokenizer_path} has {self.tok.vocab_size} tokens but vocab_size={vocab_size}; raise vocab_size")
+      for flag, token_id, name in ((cfg.add_bos, self.tok.bos_id, "BOS"), (cfg.add_eos, self.tok.eos_id, "EOS")):
+        if flag and token_id is None:
+          raise UserError(f"tokenizer {cfg.tokenizer_path} has no {name} token; set add_{name.lower()}=false")
+      self.bos = self.tok.bos_id if cfg.add_bos else None
+      self.eos = self.tok.eos_id if cfg.add_eos else None
+
+  def __call__(self, document) -> np.ndarray:
+    if self.tok is None:
+      ids = np.asarray(document, np.int64).reshape(-1)
+      if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+        raise ValueError(f"token id {ids.max() if ids.max() >= self.vocab_size else ids.min()} is outside vocab_size={self.vocab_size}")
+      return ids.astype(np.int32)
+    text = document.decode("utf-8") if isinstance(document, bytes) else str(document)
+    ids = self.tok.encode(text)
+    ids = ([self.bos] if self.bos is not None else []) + ids + ([self.eos] if self.eos is not None else [])
+    return np.asarray(ids, np.int32)
+
+
+def pieces(ids: np.ndarray, seq_len: int) -> list[dict]:
+  """Consecutive pieces of seq_len + 1 tokens overlapping by one, as inputs/targets of <= seq_len."""
+  out = []
+  for start in range(0, max(len(ids) - 1, 0), seq_len):
+    piece = ids[start : start + seq_len + 1]
+    out.append({"inputs": piece[:-1], "targets": piece[1:]})
+  return out
+
+
+def pad_row(piece: dict, seq_len: int) -> dict:
+  n = len(piece["inputs"])
+  pad = lambda a: np.pad(a, (0, seq_len - n))  # noqa: E731
+  return {"inputs": pad(piece["inputs"]), "targets": pad(piece["targets"]), "targets_segment_ids": pad(np.ones(n, np.int32))}
+
+
+class BatchIterator:
+  """Wraps grain's iterator: yields model.Batch, and passes its state through."""
+
+  def __init__(self, it, packing: bool):
+    self.it, self.packing = it, packing
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Batch:
+    rows = next(self.it)
+    mask = (rows["targets_segment_ids"] > 0).astype(np.float32)
+    if not self.packing:
+      return Batch(rows["inputs"], rows["targets"], mask)
+    return Batch(rows["inputs"], rows["targets"], mask, rows["inputs_segment_ids"], rows["inputs_positions"])
+
+  def get_state(self) -> dict:
+    return self.it.get_state()
+
+  def set_state(self, state: dict) -> None:
+    self.it.set_state(state)
+
+
+def make_iterator(cfg: DataConfig, *, local_batch: int, seq_len: int, vocab_size: int, process_index: int = 0, process_count: int = 1):
+  import grain
+  from grain.experimental import FirstFitPackIterDataset, FlatMapIterDataset, FlatMapTransform
+
+  tokenize = Tokenize(cfg, vocab_size)  # the tokenizer first: it is cheaper to check than the data
+  source = sources.open_source(cfg)
+  if len(source) < process_count:
+    raise UserError(f"{sources.describe(cfg)} has {len(source)} documents, fewer than the {process_count} processes reading it")
+
+  class Pieces(FlatMapTransform):
+    max_fan_out = 1 << 30  # bounded by the longest document, not a fixed number
+
+    def flat_map(self, ids):
+      return pieces(ids, seq_len)
+
+  ds = grain.MapDataset.source(source)[process_index::process_count]
+  if cfg.enable_data_shuffling:
+    ds = ds.shuffle(seed=cfg.data_shuffle_seed)
+  ds = ds.repeat(None).map(tokenize).to_iter_dataset()
+  ds = FlatMapIterDataset(ds, Pieces())
+  if cfg.packing:
+    lengths = {"inputs": seq_len, "targets": seq_len}
+    ds = FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=local_batch, shuffle_bins=False)
+  else:
+    ds = ds.map(lambda piece: pad_row(piece, seq_len))
+  ds = ds.batch(local_batch, drop_remainder=True)
+  return BatchIterator(iter(ds), cfg.packing)
