@@ -18,16 +18,21 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt requirements-gpu
 	$(PY) -m pip install -q --no-deps --target $(VENV)/gpu-aot -r requirements-gpu-aot.txt
 	touch $(STAMP)
 
+# Python 3.11 + CPU torch + transformers: the reference the HF-parity tests compare against (test-only)
+HF_STAMP := .venv-hf/.installed
+$(HF_STAMP): requirements-hf-reference.txt scripts/hf_reference_venv.sh
+	scripts/hf_reference_venv.sh >/dev/null
+
 install: $(STAMP)
 
 train: $(STAMP)
 	$(PY) -m MaxText.train recipes/deepseek_v3_tiny.yml $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(HF_STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest -q tests
 
 doctor: $(STAMP)
 	$(PY) -m MaxText.doctor
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-hf runs .pytest_cache

@@ -83,10 +83,9 @@ def model_specs(m: ModelConfig, moe_cfg: MoEConfig) -> dict:
 
 
 def bias_state(m: ModelConfig, moe_cfg: MoEConfig) -> dict:
-  return {
-      "moe_layers": jnp.zeros((m.num_moe_layers, moe_cfg.num_experts), jnp.float32),
-      "mtp_layers": jnp.zeros((m.mtp_num_layers, moe_cfg.num_experts), jnp.float32),
-  }
+  # Only stacks that exist get a bias: orbax cannot save zero-size arrays.
+  sizes = {"moe_layers": m.num_moe_layers, "mtp_layers": m.mtp_num_layers}
+  return {k: jnp.zeros((n, moe_cfg.num_experts), jnp.float32) for k, n in sizes.items() if n}
 
 
 def cast_for_compute(params: dict, dtype) -> dict:

@@ -141,6 +141,12 @@ def initial_state(cfg: Config, trainer, ckpt, start: int | None, data, abstract)
   state = trainer.init_state()
   if cfg.train.load_parameters_path:
     state = state._replace(params=checkpointing.load_parameters(cfg.train.load_parameters_path, abstract.params))
+    if cfg.moe.routed_bias:  # a converted or trained model routes with its learned balancing bias
+      import jax
+
+      from MaxText.convert.checkpoint import load_bias
+
+      state = state._replace(bias=jax.device_put(load_bias(cfg.train.load_parameters_path, abstract.bias), trainer.state_shardings.bias))
     print(f"parameters loaded from {cfg.train.load_parameters_path}", flush=True)
   return state, 0
 

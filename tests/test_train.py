@@ -69,3 +69,22 @@ def test_tiny_recipe_learns_and_writes_its_run(tiny_config, tmp_path, capsys):
   assert "step    20 | loss" in out and "tok/s/dev" in out and "MFU -" in out
   with pytest.raises(Exception, match="already holds a run"):
     train(cfg)
+
+
+def test_model_without_mtp_checkpoints_and_its_bias_loads_into_a_new_run(tiny_config, tmp_path):
+  import jax.numpy as jnp
+
+  from MaxText import model
+  from MaxText.convert.checkpoint import load_bias
+
+  common = ("steps=3", "per_device_batch_size=1", "max_target_length=16", "mtp_num_layers=0", "routed_bias_update_rate=0.01", f"base_output_directory={tmp_path}")
+  train(tiny_config(*common, "run_name=first"))
+  step_dir = tmp_path / "first" / "checkpoints" / "3"
+  assert step_dir.is_dir()
+  cfg = tiny_config(*common)
+  abstract = jax.eval_shape(lambda: model.bias_state(cfg.model, cfg.moe))
+  assert set(abstract) == {"moe_layers"}  # no zero-size MTP bias to save
+  bias = load_bias(step_dir, abstract)
+  assert float(jnp.abs(bias["moe_layers"]).sum()) > 0  # three updates of 0.01 per expert
+  history = train(tiny_config(*common, "run_name=second", f"load_parameters_path={step_dir}"))
+  assert len(history) == 3
