@@ -28,7 +28,7 @@ MIN_PYTHON = (3, 12)
 MIN_VERSIONS = {
     "jax": "0.11.2", "jaxlib": "0.11.2", "numpy": "2.0", "optax": "0.2.6", "PyYAML": "6.0", "tensorboardX": "2.6",
     "orbax-checkpoint": "0.12.8", "grain": "0.2.18", "array-record": "0.8.6", "tensorflow-datasets": "4.9.10", "pyarrow": "26.0",
-    "datasets": "5.2.0", "sentencepiece": "0.2.3", "tiktoken": "0.14.0", "tokenizers": "0.23.3",
+    "datasets": "5.2.0", "sentencepiece": "0.2.3", "tiktoken": "0.14.0", "tokenizers": "0.23.3", "tensorstore": "0.1.86", "etils": "1.15",
 }
 
 # (module, distribution, required, what it is for); tensorboardX is only needed with enable_tensorboard.
