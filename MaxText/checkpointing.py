@@ -84,7 +84,7 @@ class Checkpointer:
   """Saves and restores one run's checkpoints under `directory`."""
 
   def __init__(self, directory: Path, cfg: Config, abstract_state, global_batch: int):
-    self.directory, self.cfg = Path(directory), cfg
+    self.directory, self.cfg = Path(directory).absolute(), cfg  # orbax takes absolute paths only
     self.abstract_state = abstract_state  # ShapeDtypeStructs with shardings: the restore target
     self.identity = {"process_count": jax.process_count(), "global_batch": global_batch}
     self.last_saved: int | None = None
@@ -150,7 +150,7 @@ class Checkpointer:
 
 def load_parameters(path: str, abstract_params) -> dict:
   """The params of the checkpoint at `path` (a step directory or its state/ item), sharded like `abstract_params`."""
-  p = Path(path).expanduser()
+  p = Path(path).expanduser().absolute()
   if (p / "state").is_dir():
     p = p / "state"
   if not (p / "_METADATA").exists():

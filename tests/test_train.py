@@ -88,3 +88,9 @@ def test_model_without_mtp_checkpoints_and_its_bias_loads_into_a_new_run(tiny_co
   assert float(jnp.abs(bias["moe_layers"]).sum()) > 0  # three updates of 0.01 per expert
   history = train(tiny_config(*common, "run_name=second", f"load_parameters_path={step_dir}"))
   assert len(history) == 3
+
+
+def test_relative_output_directory_checkpoints(tiny_config, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # `make train` uses base_output_directory=runs, relative to the working directory
+  train(tiny_config("steps=2", "per_device_batch_size=1", "max_target_length=16", "base_output_directory=runs", "run_name=rel"))
+  assert (tmp_path / "runs" / "rel" / "checkpoints" / "2").is_dir()
