@@ -11,9 +11,10 @@ forward+backward (dx and dw). JAX timings are device kernel time from CUPTI (Mos
 torch's from CUDA events; both after warm-up, median of repeats. TFLOP/s count useful FLOPs only
 (2MKN forward, 6MKN forward+backward), so padding shows up as lost throughput.
 
---tune first searches Mosaic tile parameters for each kernel and width pair, writes
+--tune first searches Mosaic tile parameters for each kernel and width pair at --tune-groups
+balanced groups, merges them into a copy of the current table as that group-count regime, writes
 mosaic_tiles.json into DIR (copy it to MaxText/moe/gmm/ to make it the tuned table) and benchmarks
-with it.
+with it (--tune-only: stop after tuning).
 """
 
 import argparse
@@ -117,6 +118,14 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
     if registry.available(name):
       f = registry.get_gmm(name)
       add(name, lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
+  if registry.available("mosaic"):
+    from MaxText.moe.gmm import mosaic
+
+    # The kernel set the backend does not use by default, side by side ("mosaic:ours" / "mosaic:jax").
+    for kernels in mosaic.KERNELS:
+      if kernels != mosaic.DEFAULT_KERNELS:
+        f = mosaic.make_gmm(kernels)
+        add(f"mosaic:{kernels}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
 
   # Fixed capacity: every group padded to the largest group (rounded to 128 rows).
   cap = int(-(-sizes_np.max() // 128) * 128)
@@ -172,25 +181,28 @@ def torch_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
 
 
 # ---- tuning ----
-def tune(out_dir: Path, iters: int) -> dict:
+def tune(out_dir: Path, iters: int, kernels: str, groups: int) -> dict:
+  """Searches tiles for each kernel of `kernels` and width pair at `groups` balanced groups.
+
+  Results merge into a copy of the current table under "<kernel>:<K>x<N>:g<groups>" keys (used by
+  mosaic.tiles_for for that group-count regime), written to out_dir/mosaic_tiles.json.
+  """
   import jax
   import jax.numpy as jnp
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
   from MaxText.moe.gmm import mosaic
 
-  g = 8
-  sizes = jnp.asarray(group_sizes(M, g, "balanced"))
-  fwd_space = [(128, bn, 64, st, gb) for bn, st, gb in itertools.product((128,), (4, 5, 6), (2, 4, 8))] + [
-      (128, 256, 64, st, gb) for st, gb in itertools.product((3, 4), (2, 4))
-  ]
-  wgrad_space = [(128, 128, bk, st, gb) for bk, st, gb in itertools.product((64, 128), (2, 4), (1, 4, 8))]
-  best, measured = {}, {}
+  ragged, transposed = mosaic.KERNELS[kernels]()
+  sizes = jnp.asarray(group_sizes(M, groups, "balanced"))
+  fwd_space = [(128, 128, 64, st, gb) for st, gb in itertools.product((4, 5, 6), (2, 4, 8, 16))]
+  wgrad_space = [(128, 128, bk, st, gb) for bk, st, gb in itertools.product((64, 128), (2, 3, 4), (1, 4, 8))]
+  table = json.loads(mosaic.TILES_FILE.read_text()) if mosaic.TILES_FILE.exists() else {"tiles": {}}
+  measured = table.setdefault("tflops_by_tiles", {})
   for (k, n), kernel in itertools.product(SHAPES.values(), ("fwd", "dgrad", "wgrad")):
     # Widths as the kernel sees them: fwd contracts k into n; dgrad contracts n into k; wgrad (k, n).
-    key = f"{kernel}:{k}x{n}" if kernel != "dgrad" else f"dgrad:{n}x{k}"
+    key = (f"{kernel}:{k}x{n}" if kernel != "dgrad" else f"dgrad:{n}x{k}") + f":g{groups}"
     x = jax.random.normal(jax.random.key(1), (M, k), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(2), (g, k, n), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (groups, k, n), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(3), (M, n), jnp.bfloat16)
     results = {}
     for tiles in wgrad_space if kernel == "wgrad" else fwd_space:
@@ -199,11 +211,11 @@ def tune(out_dir: Path, iters: int) -> dict:
       if out_width % (kw["block_n"] * (kw["grid_block_n"] if kernel != "wgrad" else 1)):
         continue
       if kernel == "fwd":
-        fn, args = (lambda x, w, kw=kw: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, **kw)), (x, w)
+        fn, args = (lambda x, w, kw=kw: ragged(x, w, group_sizes=sizes, **kw)), (x, w)
       elif kernel == "dgrad":
-        fn, args = (lambda dy, w, kw=kw: ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **kw)), (dy, w)
+        fn, args = (lambda dy, w, kw=kw: ragged(dy, w, group_sizes=sizes, transpose_rhs=True, **kw)), (dy, w)
       else:
-        fn, args = (lambda x, dy, kw=kw: transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=sizes, **kw)), (x, dy)
+        fn, args = (lambda x, dy, kw=kw: transposed(x, dy, group_sizes=sizes, **kw)), (x, dy)
       try:
         ms, _ = jax_time_ms(jax.jit(fn), args, iters)
         results[str(tiles)] = 2.0 * M * k * n / ms / 1e9
@@ -212,10 +224,11 @@ def tune(out_dir: Path, iters: int) -> dict:
     valid = {t: v for t, v in results.items() if isinstance(v, float)}
     if valid:
       top = max(valid, key=valid.get)
-      best[key] = list(json.loads(top.replace("(", "[").replace(")", "]")))
-      print(f"tuned {key}: {best[key]} at {valid[top]:.0f} TFLOP/s", flush=True)
+      table["tiles"][key] = list(json.loads(top.replace("(", "[").replace(")", "]")))
+      print(f"tuned {key}: {table['tiles'][key]} at {valid[top]:.0f} TFLOP/s", flush=True)
     measured[key] = results
-  table = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "groups": g, "rows": M, "tiles": best, "tflops_by_tiles": measured}
+  table.update({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": M})
+  table.setdefault("kernels", {})[f"g{groups}"] = kernels
   path = out_dir / "mosaic_tiles.json"
   path.write_text(json.dumps(table, indent=1))
   mosaic.TILES_FILE = path
@@ -244,20 +257,24 @@ def machine() -> dict:
 
 def markdown(results: dict) -> str:
   m = results["machine"]
+  leads = [b for b in results["backends"] if b.startswith("mosaic")]
+  others = ("torch._grouped_mm", "dense", "xla")
+  ratio_names = [f"{lead}/{o.split('.')[-1]}" for lead in leads for o in others]
   lines = [
       f"# Grouped GEMM, M={M} rows, bf16 ({m['gpu']}; jax {m['jax']}, torch {m.get('torch')}, {m['date']})",
       "",
-      "TFLOP/s of useful work (padding counts as lost time). Ratios: mosaic over the named row, fwd+bwd.",
+      "TFLOP/s of useful work (padding counts as lost time). Ratios: each mosaic row over the named row.",
       "",
-      "| shape | G | sizes | mode | " + " | ".join(results["backends"]) + " | mosaic/torch | mosaic/dense | mosaic/xla |",
-      "|---" * (5 + len(results["backends"]) + 3) + "|",
+      "| shape | G | sizes | mode | " + " | ".join(results["backends"] + ratio_names) + " |",
+      "|---" * (4 + len(results["backends"]) + len(ratio_names)) + "|",
   ]
   for case in results["cases"]:
     for mode in ("fwd", "fwd+bwd"):
       by = {r["backend"]: r for r in case["rows"] if r["mode"] == mode}
       cells = [f"{by[b]['tflops']:.0f}" if "tflops" in by.get(b, {}) else "-" for b in results["backends"]]
-      ratio = lambda other: f"{by['mosaic']['tflops'] / by[other]['tflops']:.2f}" if "tflops" in by.get("mosaic", {}) and "tflops" in by.get(other, {}) else "-"  # noqa: E731
-      lines.append(f"| {case['shape']} | {case['groups']} | {case['sizes']} | {mode} | " + " | ".join(cells) + f" | {ratio('torch._grouped_mm')} | {ratio('dense')} | {ratio('xla')} |")
+      ratio = lambda a, b: f"{by[a]['tflops'] / by[b]['tflops']:.2f}" if "tflops" in by.get(a, {}) and "tflops" in by.get(b, {}) else "-"  # noqa: E731
+      cells += [ratio(lead, o) for lead in leads for o in others]
+      lines.append(f"| {case['shape']} | {case['groups']} | {case['sizes']} | {mode} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -293,6 +310,9 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path)
   ap.add_argument("--tune", action="store_true")
+  ap.add_argument("--tune-groups", type=int, default=8, help="group count the tiles are tuned at (stored as a :g<N> regime)")
+  ap.add_argument("--tune-kernels", default=None, help="Mosaic kernel set to tune (default: the backend's default)")
+  ap.add_argument("--tune-only", action="store_true", help="tune, write the table, skip the benchmark")
   ap.add_argument("--quick", action="store_true", help="G=8 balanced and G=32 skewed only")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--plot", type=Path)
@@ -303,7 +323,11 @@ def main() -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   results = {"machine": machine(), "rows_M": M}
   if args.tune:
-    results["tuning"] = tune(args.out, iters=5)["tiles"]
+    from MaxText.moe.gmm import mosaic
+
+    results["tuning"] = tune(args.out, 5, args.tune_kernels or mosaic.DEFAULT_KERNELS, args.tune_groups)["tiles"]
+    if args.tune_only:
+      return 0
   cases = [(8, "balanced"), (32, "skewed")] if args.quick else CASES
   results["cases"] = []
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):

@@ -98,11 +98,35 @@ def test_auto_resolves_by_device_and_says_why():
 def test_mosaic_tiles_and_padding():
   assert mosaic.tiles_for("fwd", 123456, 7) == dict(zip(mosaic.TILE_NAMES, mosaic.DEFAULT_TILES["fwd"]))
   for key, tiles in mosaic.tuned_tiles().items():
-    kernel, widths = key.split(":")
+    kernel, widths, *regime = key.split(":")
     k, n = map(int, widths.split("x"))
     assert kernel in mosaic.DEFAULT_TILES and len(tiles) == 5
-    assert mosaic.tiles_for(kernel, k, n) == dict(zip(mosaic.TILE_NAMES, tiles))
     assert k % mosaic.PAD == 0 and n % mosaic.PAD == 0
+    if regime:  # a group-count regime ("g32") is what that many groups, or nearby counts, get
+      groups = int(regime[0].removeprefix("g"))
+      assert mosaic.tiles_for(kernel, k, n, groups) == mosaic.tiles_for(kernel, k, n, groups + 1) == dict(zip(mosaic.TILE_NAMES, tiles))
+    else:
+      assert mosaic.tiles_for(kernel, k, n) == dict(zip(mosaic.TILE_NAMES, tiles))
+
+
+def test_mosaic_tile_schedule_skips_nothing_and_owns_every_row_once():
+  """Our forward kernel's tile list (computed by XLA): every row is owned by exactly one live tile of
+  its own group, live tiles come first, and no live tile is dead weight."""
+  from MaxText.moe.gmm import mosaic_kernels
+
+  block_m, m = 128, 1000
+  for sizes in ([1000, 0, 0, 0], [0, 0, 0, 1000], [128, 128, 744, 0], [1, 127, 129, 743], [0, 500, 0, 500], [250, 250, 250, 250]):
+    group, block, first, owned = (np.asarray(a) for a in mosaic_kernels.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m))
+    assert len(group) == -(-m // block_m) + len(sizes) - 1
+    live = owned > 0
+    assert live[: live.sum()].all() and not live[live.sum():].any(), "live tiles first"
+    rows = np.concatenate([block[t] * block_m + first[t] + np.arange(owned[t]) for t in np.flatnonzero(live)])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(m))
+    expected_group = np.repeat(np.arange(len(sizes)), sizes)
+    for t in np.flatnonzero(live):
+      r = block[t] * block_m + first[t]
+      assert (expected_group[r : r + owned[t]] == group[t]).all()
+      assert first[t] + owned[t] <= block_m
   a = jnp.ones((3, 200))
   padded_a = mosaic._pad(a, 1)
   assert padded_a.shape == (3, 256) and float(padded_a[:, 200:].sum()) == 0.0

@@ -67,6 +67,14 @@ def poison_freed_memory(nbytes: int) -> None:
   del junk
 
 
+def gmm_for(backend: str):
+  if backend.startswith("mosaic:"):
+    from MaxText.moe.gmm import mosaic
+
+    return mosaic.make_gmm(backend.split(":")[1])
+  return registry.get_gmm(backend)
+
+
 def check(name, fn, x, w, sizes, dy, ref):
   @jax.jit
   def run(x, w, sizes, dy):
@@ -84,6 +92,10 @@ def main(out_path: str) -> int:
   seed = int.from_bytes(os.urandom(4), "little")
   rng = np.random.default_rng(seed)
   backends = [b for b in ("xla", "mosaic", "tokamax", "te") if registry.available(b)]
+  if "mosaic" in backends:  # both Mosaic kernel sets: JAX's and ours (gmm/mosaic_kernels.py)
+    from MaxText.moe.gmm import mosaic
+
+    backends += [f"mosaic:{k}" for k in mosaic.KERNELS if k != mosaic.DEFAULT_KERNELS]
   cases = [
       ("gate_up", 8192, 7168, 4096, 8, "balanced"),
       ("gate_up", 8192, 7168, 4096, 32, "skewed"),
@@ -105,7 +117,7 @@ def main(out_path: str) -> int:
     entry = {"case": label, "m": m, "k": k, "n": n, "groups": g, "sizes": kind, "backends": {}}
     for b in backends:
       try:
-        entry["backends"][b] = check(b, registry.get_gmm(b), x, w, sizes, dy, ref)
+        entry["backends"][b] = check(b, gmm_for(b), x, w, sizes, dy, ref)
       except Exception as e:  # a backend that cannot run a case fails it, with the reason
         entry["backends"][b] = {"pass": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
       ok &= entry["backends"][b]["pass"]

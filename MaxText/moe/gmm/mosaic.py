@@ -1,7 +1,9 @@
-"""Hopper (sm_90) grouped GEMM on JAX's Pallas Mosaic GPU kernels, with our VJP and tiling.
+"""Hopper (sm_90) grouped GEMM on Pallas Mosaic GPU kernels, with our VJP and tiling.
 
-Forward and dgrad use `ragged_dot_mgpu.ragged_dot` (dgrad with transpose_rhs, so
-w is never transposed in memory); wgrad uses `transposed_ragged_dot_mgpu`.
+Two kernel sets: ours (`mosaic_kernels.py`, the default) and JAX's
+(`ragged_dot_mgpu`, `transposed_ragged_dot_mgpu`), kept for comparison. Forward
+and dgrad are a ragged dot (dgrad with transpose_rhs, so w is never transposed
+in memory); wgrad is a ragged dot contracting the rows.
 Group sizes stay on the device: no host synchronisation. The kernels need the
 contraction and output widths to be tile multiples; other widths are
 zero-padded here (exact) and sliced back. Any group sizes work, including
@@ -9,12 +11,14 @@ empty groups and all rows in one group; rows past sum(group_sizes) are not
 written (see gmm/__init__.py).
 
 Tiles come from `mosaic_tiles.json` (tuned on an H200 by
-`benchmarks/grouped_gemm.py --tune`), keyed by kernel and (K, N); untuned
-shapes get DEFAULT_TILES, measured best at DeepSeek-V3's gate/up shape.
+`benchmarks/grouped_gemm.py --tune`), keyed by kernel and (K, N), with optional
+group-count regimes (":g32"); untuned shapes get DEFAULT_TILES, measured best at
+DeepSeek-V3's gate/up shape.
 """
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -34,9 +38,18 @@ def tuned_tiles() -> dict:
   return json.loads(TILES_FILE.read_text())["tiles"] if TILES_FILE.exists() else {}
 
 
-def tiles_for(kernel: str, k: int, n: int) -> dict:
-  """Tile parameters for `kernel` contracting width k into width n (both as padded)."""
-  tiles = tuned_tiles().get(f"{kernel}:{k}x{n}", DEFAULT_TILES[kernel])
+def tiles_for(kernel: str, k: int, n: int, groups: int | None = None) -> dict:
+  """Tile parameters for `kernel` contracting width k into width n (both as padded).
+
+  Entries tuned for a group count ("fwd:7168x4096:g32") win over the plain entry; of those, the
+  one tuned nearest (in log2) to `groups` is used, since short groups want other tiles.
+  """
+  table = tuned_tiles()
+  base = f"{kernel}:{k}x{n}"
+  tiles = table.get(base, DEFAULT_TILES[kernel])
+  regimes = {int(key.rsplit(":g", 1)[1]): v for key, v in table.items() if key.startswith(base + ":g")}
+  if groups and regimes:
+    tiles = regimes[min(regimes, key=lambda g: abs(math.log2(g) - math.log2(groups)))]
   return dict(zip(TILE_NAMES, tiles))
 
 
@@ -55,37 +68,65 @@ def _check_dtype(*arrays):
       raise TypeError(f"moe_gmm_backend=mosaic runs bf16/fp16 tensor-core kernels; got {a.dtype} (set dtype=bfloat16)")
 
 
-def _fwd(x, w, group_sizes):
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+def _jax_kernels():
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
-  _check_dtype(x, w)
-  group_sizes = group_sizes.astype(jnp.int32)
-  n = w.shape[2]
-  xp, wp = _pad(x, 1), _pad(_pad(w, 1), 2)
-  y = ragged_dot_mgpu.ragged_dot(xp, wp, group_sizes=group_sizes, **tiles_for("fwd", wp.shape[1], wp.shape[2]))
-  return y[:, :n]
+  return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
 
-def _dgrad(dy, w, group_sizes):
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+def _our_kernels():
+  from MaxText.moe.gmm import mosaic_kernels
 
-  group_sizes = group_sizes.astype(jnp.int32)
-  k = w.shape[1]
-  dyp, wp = _pad(dy, 1), _pad(_pad(w, 1), 2)
-  tiles = tiles_for("dgrad", wp.shape[2], wp.shape[1])
-  dx = ragged_dot_mgpu.ragged_dot(dyp, wp, group_sizes=group_sizes, transpose_rhs=True, **tiles)
-  return dx[:, :k]
+  return mosaic_kernels.ragged_dot, mosaic_kernels.ragged_wgrad
 
 
-def _wgrad(x, dy, group_sizes):
-  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-  group_sizes = group_sizes.astype(jnp.int32)
-  k, n = x.shape[1], dy.shape[1]
-  xp, dyp = _pad(x, 1), _pad(dy, 1)
-  tiles = tiles_for("wgrad", xp.shape[1], dyp.shape[1])
-  dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(xp, dyp, group_sizes=group_sizes, **tiles)
-  return dw[:, :k, :n]
+# "jax": JAX's ragged_dot_mgpu / transposed_ragged_dot_mgpu; "ours": mosaic_kernels.py (no dead tiles,
+# boundary masks only where a group boundary falls inside a block).
+KERNELS = {"jax": _jax_kernels, "ours": _our_kernels}
 
 
-gmm = grouped_gemm_with_vjp(_fwd, _dgrad, _wgrad)
+def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
+  # The kernels need at least one full row tile; tiny inputs (tests, decode) are padded with zero rows.
+  return a if a.shape[0] >= rows else jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
+
+
+def kernel_functions(kernels: str):
+  """(fwd, dgrad, wgrad) on the named kernel set, with padding and tiles; see vjp.py for the signatures."""
+  load = KERNELS[kernels]
+
+  def fwd(x, w, group_sizes):
+    ragged, _ = load()
+    _check_dtype(x, w)
+    m, n = x.shape[0], w.shape[2]
+    xp, wp = _pad(x, 1), _pad(_pad(w, 1), 2)
+    tiles = tiles_for("fwd", wp.shape[1], wp.shape[2], w.shape[0])
+    y = ragged(_pad_rows(xp, tiles["block_m"]), wp, group_sizes=group_sizes.astype(jnp.int32), **tiles)
+    return y[:m, :n]
+
+  def dgrad(dy, w, group_sizes):
+    ragged, _ = load()
+    m, k = dy.shape[0], w.shape[1]
+    dyp, wp = _pad(dy, 1), _pad(_pad(w, 1), 2)
+    tiles = tiles_for("dgrad", wp.shape[2], wp.shape[1], w.shape[0])
+    dx = ragged(_pad_rows(dyp, tiles["block_m"]), wp, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=True, **tiles)
+    return dx[:m, :k]
+
+  def wgrad(x, dy, group_sizes):
+    _, transposed = load()
+    k, n = x.shape[1], dy.shape[1]
+    xp, dyp = _pad(x, 1), _pad(dy, 1)
+    tiles = tiles_for("wgrad", xp.shape[1], dyp.shape[1], group_sizes.shape[0])
+    dw = transposed(xp, dyp, group_sizes=group_sizes.astype(jnp.int32), **tiles)
+    return dw[:, :k, :n]
+
+  return fwd, dgrad, wgrad
+
+
+def make_gmm(kernels: str):
+  """The differentiable grouped GEMM on the named kernel set."""
+  return grouped_gemm_with_vjp(*kernel_functions(kernels))
+
+
+DEFAULT_KERNELS = "ours"  # measured: equal at G=4/8, 7-14% faster fwd+bwd at G=32 (benchmarks/results/2026-12-02-h200-gmm-kernels)
+_fwd, _dgrad, _wgrad = kernel_functions(DEFAULT_KERNELS)  # for wrappers that quantise around them
+gmm = make_gmm(DEFAULT_KERNELS)

@@ -1,0 +1,95 @@
+"""Where a Mosaic grouped GEMM's time goes: per-kernel device time (CUPTI) of fwd+bwd, per kernel set.
+
+  python benchmarks/gmm_profile.py --out DIR [--iters 5]
+
+For each DeepSeek-V3 expert shape and G in {4, 32} (balanced and skewed group sizes, as in
+grouped_gemm.py), runs the forward and backward of `mosaic.make_gmm(kernels)` for every kernel set
+and records every kernel launch's median time and name, beside the dense GEMM of the same FLOPs.
+It also counts, for the forward/dgrad kernels, the row-tile slots a static grid of
+cdiv(M, block_m) + G - 1 holds and how many own rows (the rest are dead slots), and for wgrad how many
+group boundaries fall inside a row block (blocks that need masking). Writes gmm_profile.json and .md.
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grouped_gemm import M, SHAPES, group_sizes, machine  # noqa: E402
+
+
+def tile_counts(sizes: np.ndarray, block_m: int, block_k: int) -> dict:
+  ends = np.cumsum(sizes)
+  starts = ends - sizes
+  live = int(sum((e - 1) // block_m - s // block_m + 1 for s, e in zip(starts, ends) if e > s))
+  slots = -(-M // block_m) + len(sizes) - 1
+  masked = int(sum((s % block_k != 0) + (e % block_k != 0) for s, e in zip(starts, ends) if e > s))
+  return {"row_tile_slots": slots, "live_row_tiles": live, "dead_fraction": 1 - live / slots, "wgrad_masked_blocks_per_tile_column": masked}
+
+
+def per_kernel(fn, args, iters: int) -> list[dict]:
+  import jax
+  from jax.experimental.mosaic.gpu import profiler
+
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  _, timings = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+  # timings: one list per iteration of (kernel name, ms)
+  names = [name for name, _ in timings[0]]
+  return [{"kernel": name, "ms": statistics.median(it[i][1] for it in timings)} for i, name in enumerate(names)]
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", type=Path, required=True)
+  ap.add_argument("--iters", type=int, default=5)
+  args = ap.parse_args()
+  args.out.mkdir(parents=True, exist_ok=True)
+
+  import jax
+  import jax.numpy as jnp
+
+  from MaxText.moe.gmm import mosaic
+
+  results = {"machine": machine(), "rows_M": M, "cases": []}
+  lines = ["| shape | G | sizes | kernels | total ms | TFLOP/s | kernels (ms) | dead row-tile slots |", "|---|---|---|---|---|---|---|---|"]
+  for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), [(4, "balanced"), (32, "balanced"), (32, "skewed")]):
+    sizes_np = group_sizes(M, g, kind)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (M, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (M, n), jnp.bfloat16)
+    sizes = jnp.asarray(sizes_np)
+    tiles = mosaic.tiles_for("fwd", k, n)
+    case = {"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]), "runs": {}}
+    variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in mosaic.KERNELS}
+    for label, f in variants.items():
+
+      @jax.jit
+      def run(x, w, dy, f=f):
+        y, vjp = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
+        return y, *vjp(dy)
+
+      try:
+        kernels = per_kernel(run, (x, w, dy), args.iters)
+        total = sum(r["ms"] for r in kernels)
+        case["runs"][label] = {"kernels": kernels, "total_ms": total, "tflops": 6.0 * M * k * n / total / 1e9}
+        summary = ", ".join(f"{r['kernel'][:40]} {r['ms']:.3f}" for r in kernels if r["ms"] > 0.01)
+        lines.append(f"| {shape} | {g} | {kind} | {label} | {total:.3f} | {case['runs'][label]['tflops']:.0f} | {summary} | {case['tiles']['dead_fraction']:.3f} |")
+      except Exception as e:
+        case["runs"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      print(shape, g, kind, label, case["runs"][label], flush=True)
+    results["cases"].append(case)
+    (args.out / "gmm_profile.json").write_text(json.dumps(results, indent=1))
+  (args.out / "gmm_profile.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
