@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from MaxText.config_schema import SECTIONS, DataConfig, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig, key_index
+from MaxText.config_schema import REMAT_LOCATIONS, SECTIONS, DataConfig, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig, key_index
 from MaxText.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -197,19 +197,73 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
     fail("n_routing_groups", f"group scores sum each group's top-2 experts, so groups need >= 2 experts (have {per_group})")
   if moe.topk_routing_group * per_group < moe.num_experts_per_tok:
     fail("topk_routing_group", f"{moe.topk_routing_group} groups of {per_group} experts cannot supply num_experts_per_tok={moe.num_experts_per_tok}")
+  _check_route_limit(moe, fail)
+  if moe.moe_group_pad_multiple and moe.moe_dispatch != "sort":
+    fail("moe_group_pad_multiple", f"pads the dropless groups of moe_dispatch=sort; moe_dispatch={moe.moe_dispatch} has fixed-size groups (set 0)")
   if moe.moe_dispatch == "capacity" and moe.capacity_factor <= 0:
     fail("capacity_factor", "moe_dispatch=capacity needs capacity_factor > 0 (e.g. 1.25)")
   if moe.moe_dispatch == "sort" and moe.capacity_factor > 0:
     fail("capacity_factor", "moe_dispatch=sort is dropless; set capacity_factor=-1 or choose moe_dispatch=capacity")
+  _check_expert_parallel(cfg, fail)
   if moe.moe_gmm_backend == "padded" and moe.moe_dispatch != "capacity":
     fail("moe_gmm_backend", "padded runs equal-capacity groups; set moe_dispatch=capacity (and capacity_factor)")
   if moe.moe_gmm_backend == "mosaic" and m.dtype not in ("bfloat16", "float16"):
     fail("moe_gmm_backend", f"mosaic runs bf16/fp16 tensor-core kernels; set dtype=bfloat16 (dtype is {m.dtype})")
+  if moe.quantization:
+    from MaxText.quant import check as quant_check
+
+    if why := quant_check(moe.quantization, moe.moe_gmm_backend):
+      fail("quantization", why)
   if t.per_device_batch_size % t.gradient_accumulation_steps:
     fail("gradient_accumulation_steps", f"per_device_batch_size={t.per_device_batch_size} is not divisible by {t.gradient_accumulation_steps}")
   if cfg.optimizer.learning_rate_schedule_steps == 0 or cfg.optimizer.learning_rate_schedule_steps < -1:
     fail("learning_rate_schedule_steps", "must be -1 (use steps) or a positive number of steps")
+  _check_remat(m, origin, fail)
+  _check_runtime_env(t, fail)
   _check_data(d, m, fail)
+
+
+def _check_route_limit(moe, fail) -> None:
+  """Rank-limited routing: M of G contiguous expert groups must always hold k allowed experts."""
+  g, m, k = moe.moe_route_limit_groups, moe.moe_route_limit_topk_groups, moe.num_experts_per_tok
+  if g == 0:
+    if m:
+      fail("moe_route_limit_topk_groups", f"{m} needs moe_route_limit_groups > 0 (rank-limited routing is off)")
+    return
+  if moe.num_experts % g:
+    fail("moe_route_limit_groups", f"num_experts={moe.num_experts} is not divisible by {g} groups")
+  if not 1 <= m <= g:
+    fail("moe_route_limit_topk_groups", f"must be between 1 and moe_route_limit_groups={g} (is {m})")
+  per_group = moe.num_experts // g
+  if m * per_group < k:
+    fail("moe_route_limit_topk_groups", f"{m} groups of {per_group} experts cannot supply num_experts_per_tok={k}")
+  n = moe.n_routing_groups
+  if n == 1:
+    return
+  if g % n and n % g:
+    fail("moe_route_limit_groups", f"{g} groups must nest with n_routing_groups={n} (one must divide the other)")
+  if n > g:  # each rank group holds n/g routing groups; in the worst case the kept ones are spread evenly
+    kept = moe.topk_routing_group
+    fewest = m * (kept // g) + min(m, kept % g)  # kept routing groups inside the best m rank groups
+    if fewest * (moe.num_experts // n) < k:
+      fail("moe_route_limit_topk_groups", f"{m} of {g} groups may hold only {fewest} of the topk_routing_group={kept} routing groups, fewer than num_experts_per_tok={k} experts")
+def _check_expert_parallel(cfg: Config, fail) -> None:
+  """moe_dispatch over the mesh axis expert (MaxText/moe/ep/): dropless, its backend present, experts divisible."""
+  from MaxText.moe import ep
+
+  moe, mesh = cfg.moe, cfg.mesh
+  if moe.moe_ep_buffer_factor != -1 and moe.moe_ep_buffer_factor <= 0:
+    fail("moe_ep_buffer_factor", f"{moe.moe_ep_buffer_factor}: must be -1 (worst case) or > 0 (a multiple of the balanced share)")
+  if not ep.is_ep(moe.moe_dispatch):
+    return
+  if moe.capacity_factor > 0:
+    fail("capacity_factor", f"moe_dispatch={moe.moe_dispatch} is dropless; set capacity_factor=-1 (size its buffers with moe_ep_buffer_factor)")
+  problem = ep.unavailable(moe.moe_dispatch)
+  if problem:
+    fail("moe_dispatch", f"{moe.moe_dispatch}: {problem}")
+  size = mesh.ici_expert_parallelism * mesh.dcn_expert_parallelism
+  if mesh.ici_expert_parallelism > 0 and mesh.dcn_expert_parallelism > 0 and moe.num_experts % size:
+    fail("ici_expert_parallelism", f"num_experts={moe.num_experts} is not divisible by the expert-parallel size {size}")
 
 
 def _check_data(d, m, fail) -> None:
@@ -225,3 +279,27 @@ def _check_data(d, m, fail) -> None:
     fail("train_data_columns", "name the column that holds the documents")
   if d.packing and m.attention != "dot_product":
     fail("packing", f"packed rows need segment-aware attention: set attention=dot_product (not {m.attention}) or packing=false")
+
+
+def _check_remat(m, origin: dict[str, str], fail) -> None:
+  """Per-tensor remat keys act only under remat_policy=custom, and each must name a tensor the model has."""
+  keys = [f.name for f in dataclasses.fields(m) if f.metadata.get("choices") == REMAT_LOCATIONS]
+  if m.remat_policy != "custom":
+    defaults = _read_yaml(BASE_YML)
+    for key in keys:
+      if getattr(m, key) != defaults[key]:
+        fail(key, f"per-tensor remat keys act only with remat_policy=custom (remat_policy is {m.remat_policy})")
+    return
+  if m.q_lora_rank == 0 and m.mla_q != "remat":
+    fail("mla_q", "there is no low-rank query with q_lora_rank=0; leave mla_q=remat")
+
+
+def _check_runtime_env(t, fail) -> None:
+  """Preset names and the syntax of xla_flags/env_vars; the flags themselves are checked against jaxlib at start."""
+  from MaxText import runtime_env
+
+  for key in ("xla_flag_presets", "xla_flags", "env_presets", "env_vars"):
+    try:
+      runtime_env.parse_key(key, getattr(t, key))
+    except UserError as e:
+      fail(key, str(e))

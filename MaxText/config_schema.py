@@ -23,6 +23,12 @@ def between(lo, hi):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Where a checkpoint-named tensor lives between forward and backward (MaxText/remat.py).
+REMAT_LOCATIONS = ("remat", "device", "offload")
+
+
+def remat_location():
+  return field(metadata={"choices": REMAT_LOCATIONS})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +65,23 @@ class ModelConfig:
   dtype: str = choice(*DTYPES)
   weight_dtype: str = choice(*DTYPES)
   scan_layers: bool
-  remat_policy: str = choice("full", "minimal", "none")
+  remat_policy: str = choice("full", "minimal", "save_dot_except_mlp", "save_dot_except_moe", "save_qkv_proj", "save_out_proj", "custom", "none")
+  # remat_policy=custom: per checkpoint-named tensor, remat | device | offload (MaxText/remat.py).
+  decoder_layer_input: str = remat_location()
+  mla_q: str = remat_location()
+  mla_kv: str = remat_location()
+  query_proj: str = remat_location()
+  key_proj: str = remat_location()
+  value_proj: str = remat_location()
+  attention_out: str = remat_location()
+  out_proj: str = remat_location()
+  mlpwi_0: str = remat_location()
+  mlpwi_1: str = remat_location()
+  mlpwi: str = remat_location()
+  mlpwo: str = remat_location()
+  moe_mlpwi_0: str = remat_location()
+  moe_mlpwi_1: str = remat_location()
+  moe_mlpwo: str = remat_location()
 
   @property
   def emb_dim(self) -> int:
@@ -87,10 +109,17 @@ class MoEConfig:
   routed_bias_update_rate: float = at_least(0.0)
   n_routing_groups: int = at_least(1)
   topk_routing_group: int = at_least(1)
+  moe_route_limit_groups: int = at_least(0)
+  moe_route_limit_topk_groups: int = at_least(0)
   load_balance_loss_weight: float = at_least(0.0)
-  moe_dispatch: str = choice("sort", "capacity")
+  moe_dispatch: str = choice("sort", "capacity", "ragged_a2a", "dense_a2a", "allgather", "te")
   capacity_factor: float
+  # Expert parallelism (moe_dispatch=ragged_a2a | dense_a2a | allgather | te; MaxText/moe/ep/).
+  moe_dedup: bool
+  moe_ep_buffer_factor: float
   moe_gmm_backend: str = choice("xla", "padded", "mosaic", "tokamax", "te", "auto")
+  quantization: str = choice("", "mxfp8", "fp8_blockwise")  # expert GEMMs; MaxText/quant/
+  moe_group_pad_multiple: int = at_least(0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +192,14 @@ class TrainConfig:
   max_num_checkpoints_to_keep: int = at_least(1)
   load_parameters_path: str
   nan_policy: str = choice("stop", "skip")
+  # Host offload of the train state (pinned host memory between steps, moved to the device inside the step).
+  optimizer_memory_host_offload: bool
+  parameter_memory_host_offload: bool
+  # XLA flags and environment, applied before JAX starts (MaxText/runtime_env.py).
+  xla_flag_presets: str
+  xla_flags: str
+  env_presets: str
+  env_vars: str
 
 
 SECTIONS = {

@@ -248,13 +248,139 @@ def check_env() -> list[Check]:
   return [Check(v, OK, os.environ[v]) for v in names]
 
 
+def check_xla_flags() -> list[Check]:
+  """XLA_FLAGS and every xla_flag_presets entry against the flag names of the installed jaxlib/CUDA plugin.
+
+  Runs before the backend starts: XLA aborts the process on an unknown flag in XLA_FLAGS.
+  """
+  from MaxText import runtime_env, xla_flags
+
+  try:
+    libs = xla_flags.libraries()
+    env_flags = [(n, t, "XLA_FLAGS") for n, t in runtime_env.parse_flags(os.environ.get("XLA_FLAGS", ""), "XLA_FLAGS")]
+    runtime_env.validate(env_flags, libs)
+  except UserError as e:
+    return [Check("XLA_FLAGS", UNUSABLE, f"{e} (jax would abort at start)", required=True)]
+  against = " + ".join(lib.label for lib in libs)
+  checks = [Check("XLA_FLAGS", OK, f"{len(env_flags)} flag(s), all known to {against}", required=True)]
+  bad = []
+  for name, (_, flags) in runtime_env.XLA_PRESETS.items():
+    try:
+      runtime_env.validate([(n, t, f"preset {name}") for n, t in runtime_env.parse_flags(" ".join(flags), name)], libs)
+    except UserError as e:
+      bad.append(str(e))
+  if bad:
+    checks.append(Check("xla flag presets", UNUSABLE, "; ".join(bad)))
+  else:
+    checks.append(Check("xla flag presets", OK, f"{', '.join(runtime_env.XLA_PRESETS)}: every flag known to {against}"))
+  return checks
+
+
+NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+
+
+def nccl_libraries() -> list[str]:
+  """Candidate libnccl shared libraries: the pip wheel's (what the CUDA plugin loads), then the system's."""
+  import ctypes.util
+
+  found = []
+  spec, _ = locate("nvidia.nccl")
+  for loc in (spec.submodule_search_locations or []) if spec else []:
+    path = os.path.join(loc, "lib", "libnccl.so.2")
+    if os.path.isfile(path):
+      found.append(path)
+  system = ctypes.util.find_library("nccl")
+  if system:
+    found.append(system)
+  return found
+
+
+def nccl_version_of(library: str) -> str | None:
+  """ncclGetVersion of a libnccl (no GPU needed), as 'major.minor.patch'; None if it cannot be loaded."""
+  import ctypes
+
+  try:
+    code = ctypes.c_int()
+    if ctypes.CDLL(library).ncclGetVersion(ctypes.byref(code)) != 0:
+      return None
+  except (OSError, AttributeError):
+    return None
+  return nccl_version_string(code.value)
+
+
+def nccl_version_string(code: int) -> str:
+  """NCCL_VERSION_CODE -> 'major.minor.patch' (>= 2.9: major*10000 + minor*100 + patch; before: major*1000 + ...)."""
+  major, rest = (code // 10000, code % 10000) if code >= 20900 else (code // 1000, code % 1000)
+  return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def check_nccl() -> Check:
+  purpose = "collectives between GPUs (FSDP, expert parallelism, multi-node)"
+  for library in nccl_libraries():
+    version = nccl_version_of(library)
+    if version:
+      return Check("nccl", OK, f"{version} ({library}); {purpose}")
+  version = dist_version(*NCCL_DISTS) or os.environ.get("NCCL_VERSION")
+  if version:
+    return Check("nccl", OK, f"{version} (from {'the wheel metadata' if dist_version(*NCCL_DISTS) else 'NCCL_VERSION'}; library not loadable here); {purpose}")
+  return Check("nccl", MISSING, f"no libnccl found: {purpose} need it; pip install 'jax[cuda13]' brings nvidia-nccl-cu13")
+
+
+def check_host_memory(devices: list) -> Check:
+  purpose = "host offload (optimizer_/parameter_memory_host_offload, remat offload)"
+  if not devices:
+    return Check("pinned host memory", UNUSABLE, f"no devices; {purpose}")
+  try:
+    kinds = sorted(m.kind for m in devices[0].addressable_memories())
+  except Exception as e:  # noqa: BLE001 - a backend without memory spaces reports it, not raises
+    return Check("pinned host memory", UNUSABLE, f"memory kinds not reported: {first_line(e)}; {purpose}")
+  if "pinned_host" in kinds:
+    return Check("pinned host memory", OK, f"{devices[0].device_kind} memories: {', '.join(kinds)}; {purpose} can run")
+  return Check("pinned host memory", UNUSABLE, f"{devices[0].device_kind} memories: {', '.join(kinds)}, no pinned_host; no {purpose}")
+
+
+def check_moe_backends(devices: list) -> list[Check]:
+  """Which moe_dispatch and moe_gmm_backend choices can run here (from their registries)."""
+  from MaxText.config_schema import MoEConfig
+  from MaxText.moe import ep, gmm
+
+  gpu = any(is_gpu(d) for d in devices)
+  hopper = gpu and all(getattr(d, "compute_capability", None) == HOPPER for d in devices if is_gpu(d))
+  dispatch_ok, dispatch_not = [], []
+  choices = next(f for f in dataclasses.fields(MoEConfig) if f.name == "moe_dispatch").metadata["choices"]
+  for name in choices:
+    problem = ep.unavailable(name) if ep.is_ep(name) else None
+    if problem is None and name == "ragged_a2a" and not gpu:
+      problem = "jax.lax.ragged_all_to_all runs on GPUs (XLA:CPU has none)"
+    (dispatch_not.append(f"{name} ({problem})") if problem else dispatch_ok.append(name))
+  gmm_ok, gmm_not = [], []
+  for name in gmm.BACKENDS:
+    problem = None if gmm.available(name) else f"needs {gmm.BACKENDS[name][1]}"
+    if problem is None and name == "mosaic" and not hopper:
+      problem = "needs sm_90 GPUs"
+    (gmm_not.append(f"{name} ({problem})") if problem else gmm_ok.append(name))
+
+  def line(ok, bad):
+    return f"usable: {', '.join(ok) or 'none'}" + (f"; not here: {'; '.join(bad)}" if bad else "")
+
+  return [Check("moe_dispatch", OK if dispatch_ok else UNUSABLE, line(dispatch_ok, dispatch_not)),
+          Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not))]
+
+
 def collect() -> list[Check]:
   checks = [check_python()]
   checks += [check_core(*p) for p in CORE_PACKAGES]
+  flag_checks = check_xla_flags()
+  checks += flag_checks
+  if flag_checks[0].status != OK:  # starting the backend would abort the process
+    return checks + [Check("jax backend", UNUSABLE, "not started: XLA_FLAGS holds a flag this jaxlib does not know", required=True)]
   backend, devices = check_backend()
   checks += backend
   checks += check_cuda_plugins(devices)
   checks.append(check_mosaic_kernels())
+  checks.append(check_nccl())
+  checks.append(check_host_memory(devices))
+  checks += check_moe_backends(devices)
   checks += [check_optional(*p) for p in OPTIONAL_PACKAGES]
   checks += check_env()
   return checks

@@ -23,34 +23,43 @@ def format_line(step: int, m: dict) -> str:
     parts.append(f"mtp {m['mtp_loss']:.4f}")
   if m.get("dropped_tokens"):
     parts.append(f"dropped {m['dropped_tokens']}")
+  if m.get("ep_sent_bytes_nodedup"):
+    parts.append(f"ep sent {m['ep_sent_bytes'] / 2**20:,.1f} MiB (no dedup {m['ep_sent_bytes_nodedup'] / 2**20:,.1f})")
+  if m.get("ep_overflow"):
+    parts.append(f"EP OVERFLOW {m['ep_overflow']}")
   return " | ".join(parts)
 
 
 class MetricsWriter:
-  def __init__(self, run_dir: Path, tensorboard: bool):
-    self.jsonl = open(run_dir / "metrics.jsonl", "a")
+  """Prints each logged step; with `files` (process 0 of a multi-process run) also writes metrics.jsonl and TensorBoard."""
+
+  def __init__(self, run_dir: Path, tensorboard: bool, files: bool = True):
+    self.jsonl = open(run_dir / "metrics.jsonl", "a") if files else None
     self.tb = None
-    if tensorboard:
+    if tensorboard and files:
       from tensorboardX import SummaryWriter
 
       self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
   def write(self, step: int, m: dict) -> None:
     print(format_line(step, m), flush=True)
-    self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+    if self.jsonl is not None:
+      self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
     if self.tb is not None:
       for key, value in m.items():
         if isinstance(value, (int, float)) and value is not None and math.isfinite(value):
           self.tb.add_scalar(key, value, step)
 
   def flush(self) -> None:
-    self.jsonl.flush()
+    if self.jsonl is not None:
+      self.jsonl.flush()
     if self.tb is not None:
       self.tb.flush()
     sys.stdout.flush()
 
   def close(self) -> None:
     self.flush()
-    self.jsonl.close()
+    if self.jsonl is not None:
+      self.jsonl.close()
     if self.tb is not None:
       self.tb.close()

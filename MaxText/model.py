@@ -19,7 +19,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from MaxText import remat
 from MaxText.config_schema import ModelConfig, MoEConfig
 from MaxText.layers.mla import mla, mla_specs
 from MaxText.layers.mlp import mlp, mlp_specs
@@ -48,6 +50,8 @@ class LossAux(NamedTuple):
   balance: jax.Array  # sum over MoE layers of the sequence-wise balance loss
   load: dict  # like the bias state: token copies per expert per layer
   dropped: jax.Array  # token copies dropped by a capacity limit, all layers
+  ep_overflow: jax.Array  # token copies that did not fit an expert-parallel buffer, all layers (must be 0)
+  ep_sent_bytes: jax.Array  # [2] payload bytes between expert-parallel ranks: as sent, and without dedup
 
 
 def layer_specs(m: ModelConfig, moe_cfg: MoEConfig, kind: str) -> dict:
@@ -96,19 +100,10 @@ def cast_for_compute(params: dict, dtype) -> dict:
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _remat(fn, policy: str, scanned: bool):
-  if policy == "none":
-    return fn
-  saveable = {
-      "full": jax.checkpoint_policies.nothing_saveable,
-      "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-  }[policy]
-  return jax.checkpoint(fn, policy=saveable, prevent_cse=not scanned)
-
-
 def decoder_layer(p, x, bias, rope, m: ModelConfig, moe_cfg: MoEConfig, shard, segment_ids=None):
   eps = m.normalization_layer_epsilon
-  x = shard(x, ("batch", "seq", "act_embed"))
+  # Every use reads the named copy, so an offloaded layer input leaves no device copy behind.
+  x = checkpoint_name(shard(x, ("batch", "seq", "act_embed")), "decoder_layer_input")
   h = x + mla(p["mla"], rms_norm(x, p["attn_norm"], eps), rope, m, shard, segment_ids)
   normed = rms_norm(h, p["ffn_norm"], eps)
   if bias is None:
@@ -126,7 +121,7 @@ def _run_stack(stack: dict, x, biases, rope, m: ModelConfig, moe_cfg: MoEConfig,
     p, b = xs
     return decoder_layer(p, carry, b, rope, m, moe_cfg, shard, segment_ids)
 
-  body = _remat(body, m.remat_policy, m.scan_layers)
+  body = remat.remat(body, m, m.scan_layers)
   if m.scan_layers:
     return jax.lax.scan(body, x, (stack, biases))
   num = jax.tree.leaves(stack)[0].shape[0]
@@ -169,7 +164,8 @@ def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoE
 
   with jax.named_scope("embed"):
     x = shard(jnp.take(p["embed"], batch.inputs, axis=0), ("batch", "seq", "act_embed"))
-  no_stats = MoEStats(jnp.zeros((0, moe_cfg.num_experts), jnp.int32), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32))
+  none_i, none_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+  no_stats = MoEStats(jnp.zeros((0, moe_cfg.num_experts), jnp.int32), none_i, none_f, none_i, none_f, none_f)
   if "dense_layers" in p:
     x, _ = _run_stack(p["dense_layers"], x, None, rope, m, moe_cfg, shard, seg)
   moe_stats = no_stats
@@ -191,6 +187,9 @@ def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoE
       balance=balance,
       load={"moe_layers": moe_stats.load, "mtp_layers": mtp_stats.load},
       dropped=jnp.sum(moe_stats.dropped) + jnp.sum(mtp_stats.dropped),
+      ep_overflow=jnp.sum(moe_stats.ep_overflow) + jnp.sum(mtp_stats.ep_overflow),
+      ep_sent_bytes=jnp.stack([jnp.sum(moe_stats.ep_sent_bytes) + jnp.sum(mtp_stats.ep_sent_bytes),
+                               jnp.sum(moe_stats.ep_sent_bytes_nodedup) + jnp.sum(mtp_stats.ep_sent_bytes_nodedup)]),
   )
   return loss, aux, logits
 
@@ -219,7 +218,7 @@ def _mtp(p, hidden, biases, batch: Batch, rope, m: ModelConfig, moe_cfg: MoEConf
     ce, _ = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, loss_mask, m)
     return (h, inputs, targets, mask, shifted_seg), (ce, stats)
 
-  module = _remat(module, m.remat_policy, scanned=True)
+  module = remat.remat(module, m, scanned=True)
   init = (hidden, batch.inputs, batch.targets, batch.mask, seg)
   with jax.named_scope("mtp"):
     _, (ces, stats) = jax.lax.scan(module, init, (p["mtp_layers"], biases))

@@ -33,6 +33,10 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "q_lora": None,
     "kv_lora": None,
+    # The latent side of the MLA up-projections (wq_b, wkv_b: 11.8 GiB of fp32 weights per GPU in
+    # the 671B if replicated): FSDP-sharded, as upstream MaxText does.
+    "q_lora_in": "fsdp",
+    "kv_lora_in": "fsdp",
     "mlp": "tensor",
     "exp": "expert",
     "exp_router": None,

@@ -86,6 +86,11 @@ class NonFiniteLoss(Exception):
   """The loss or gradient norm became NaN/Inf under nan_policy=stop; nothing after it was saved."""
 
 
+class EpBufferOverflow(NonFiniteLoss):
+  """Token copies overflowed the expert-parallel buffers (moe_ep_buffer_factor > 0): the update was
+  refused on device like a non-finite one, and the run stops the same way (exit code 1)."""
+
+
 class Preempted(Exception):
   """SIGTERM arrived: a checkpoint was saved (if enabled) and the loop stopped cleanly."""
 
@@ -159,7 +164,7 @@ def train(cfg: Config) -> list[dict]:
   """
   import jax
 
-  from MaxText import checkpointing, flops
+  from MaxText import checkpointing, flops, remat, runtime_env
   from MaxText.data import make_iterator
   from MaxText.metrics import MetricsWriter
   from MaxText.sharding import make_mesh
@@ -189,6 +194,8 @@ def train(cfg: Config) -> list[dict]:
   (run_dir / "environment.json").write_text(json.dumps(environment(), indent=1))
   print(f"run directory: {run_dir}")
   print(describe(cfg, trainer, flops_per_token), flush=True)
+  print(f"{remat.describe(cfg.model)}; state in host memory: {trainer.host_offload_description()}")
+  print("environment in force: " + (" ".join(f"{k}={v!r}" for k, v in runtime_env.in_force().items()) or "no XLA_*/CUDA_*/NCCL_*/JAX_* variables"), flush=True)
 
   state, start = initial_state(cfg, trainer, ckpt, start, data, abstract)
   batch = trainer.device_batch(next(data))
@@ -199,10 +206,11 @@ def train(cfg: Config) -> list[dict]:
   mem = step_fn.memory_analysis()
   if mem is not None:
     print(f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
-          f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB")
+          f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
+          f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB")
 
   tokens_per_step = trainer.global_batch * seq
-  writer = MetricsWriter(run_dir, t.enable_tensorboard)
+  writer = MetricsWriter(run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
   history = []
   pending = None  # (step, metrics on device): fetched one step late so the device never waits for the host
   last_done = time.perf_counter()
@@ -219,9 +227,14 @@ def train(cfg: Config) -> list[dict]:
     values.update(rates(step_time, tokens_per_step, mesh.size, flops_per_token, peak))
     history.append({"step": done_step, **values})
     finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
-    if done_step % t.log_period == 0 or done_step == t.steps - 1 or not finite:
+    overflow = values.get("ep_overflow", 0)
+    if done_step % t.log_period == 0 or done_step == t.steps - 1 or not finite or overflow:
       writer.write(done_step, values)
       writer.flush()
+    if overflow:
+      raise EpBufferOverflow(f"step {done_step}: {overflow} token copies did not fit the expert-parallel buffers "
+                             f"(moe_ep_buffer_factor={cfg.moe.moe_ep_buffer_factor}); the update was not applied and nothing was saved "
+                             "after it. Raise moe_ep_buffer_factor, or set it to -1 (worst-case buffers, never overflow)")
     if not finite:
       what = f"step {done_step}: loss {values['loss']}, grad norm {values['grad_norm']}"
       if t.nan_policy == "skip":
@@ -304,6 +317,8 @@ def environment() -> dict:
   import jax
   import jaxlib
 
+  from MaxText import runtime_env
+
   return {
       "python": platform.python_version(),
       "jax": jax.__version__,
@@ -311,6 +326,7 @@ def environment() -> dict:
       "devices": [str(d) for d in jax.devices()],
       "device_kind": jax.devices()[0].device_kind,
       "argv": sys.argv,
+      "environment_in_force": runtime_env.in_force(),  # XLA_FLAGS and the XLA_*/CUDA_*/NCCL_*/JAX_* variables
   }
 
 
@@ -322,6 +338,15 @@ def main(argv: list[str]) -> int:
   if "=" in argv[0] or not argv[0].endswith((".yml", ".yaml")):
     raise UserError(f"the first argument must be a recipe .yml file, got '{argv[0]}'; {USAGE}")
   cfg = load_config(argv[0], argv[1:])
+  from MaxText import runtime_env
+
+  applied = runtime_env.apply(cfg.train)  # before anything starts a JAX backend; unknown XLA flags stop here
+  for note in applied["notes"]:
+    print(f"note: {note}", flush=True)
+  from MaxText import distributed
+
+  launch = distributed.initialize()  # SLURM, Kubernetes or JAX_COORDINATOR_ADDRESS/...; single process otherwise
+  print(f"launch: {launch.describe()}", flush=True)
   try:
     train(cfg)
   except NonFiniteLoss as e:

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import model, params
+from MaxText import host_offload, model, params
 from MaxText.config import Config
+from MaxText import quant
 from MaxText.moe import gmm, router
 from MaxText.optimizer import learning_rate_schedule, make_optimizer
 from MaxText.sharding import Sharder, param_shardings
@@ -41,13 +42,18 @@ class Trainer:
     if backend != cfg.moe.moe_gmm_backend:
       print(f"moe_gmm_backend={cfg.moe.moe_gmm_backend} -> {backend}: {why}", flush=True)
       cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_gmm_backend=backend))
+    if cfg.moe.quantization:
+      print(quant.describe(cfg.moe.quantization, backend, mesh.devices.flat[0]), flush=True)
     self.cfg, self.mesh = cfg, mesh
     self.specs = model.model_specs(cfg.model, cfg.moe)
     self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps, self.specs)
     self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     self.shard = Sharder(mesh)
     self.batch_sharding = self.shard.named(("batch", "seq"))
-    self.state_shardings = self._state_shardings()
+    self.device_state_shardings = self._state_shardings()
+    # optimizer_/parameter_memory_host_offload: those parts of the state live in pinned host memory
+    # between steps; the step moves them to the device first (MaxText/host_offload.py).
+    self.state_shardings = host_offload.state_shardings(self.device_state_shardings, cfg.train, mesh)
 
   @property
   def global_batch(self) -> int:
@@ -116,7 +122,11 @@ class Trainer:
     aux = aux._replace(ce=mean(aux.ce), mtp=mean(aux.mtp), balance=mean(aux.balance))
     return (loss / accum, aux), jax.tree.map(lambda a, x: mean(a).astype(x.dtype), g, p)
 
+  def host_offload_description(self) -> str:
+    return host_offload.describe(self.cfg.train)
+
   def step(self, state: TrainState, batch: model.Batch) -> tuple[TrainState, dict]:
+    state = host_offload.to_device(state, self.device_state_shardings, self.cfg.train)
     (loss, aux), grads = self._grads(state.params, state.bias, batch)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -135,12 +145,18 @@ class Trainer:
         "expert_load_max": jnp.max(loads, initial=0).astype(jnp.float32),
         "expert_load_mean": jnp.mean(loads).astype(jnp.float32) if loads.size else jnp.zeros((), jnp.float32),
         "dropped_tokens": aux.dropped,
+        "ep_overflow": aux.ep_overflow,
+        "ep_sent_bytes": aux.ep_sent_bytes[0],
+        "ep_sent_bytes_nodedup": aux.ep_sent_bytes[1],
     }
     # A non-finite loss or gradient never reaches the state, decided on device (the select fuses into the
     # update): nan_policy=skip goes on from the unchanged state, nan_policy=stop stops with no NaN ever saved.
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # Copies that overflowed an expert-parallel buffer (moe_ep_buffer_factor > 0) were not computed:
+    # that update is never applied either, and the loop stops with an error (train.py).
+    apply = ok & (aux.ep_overflow == 0)
     new_params, opt_state, bias = jax.tree.map(
-        lambda new, old: jnp.where(ok, new, old), (new_params, opt_state, bias), (state.params, state.opt_state, state.bias)
+        lambda new, old: jnp.where(apply, new, old), (new_params, opt_state, bias), (state.params, state.opt_state, state.bias)
     )
     metrics["nonfinite"] = (~ok).astype(jnp.int32)
     return TrainState(new_params, opt_state, bias, state.step + 1), metrics

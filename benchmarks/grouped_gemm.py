@@ -2,6 +2,7 @@
 
   python benchmarks/grouped_gemm.py --out DIR [--tune] [--quick]
   python benchmarks/grouped_gemm.py --plot DIR/grouped_gemm.json      # bar chart PNG (needs matplotlib)
+  python benchmarks/grouped_gemm.py --out DIR --quick --quant fp8_blockwise,mxfp8   # + quantised rows
 
 Shapes: gate+up (K=7168 -> N=4096) and down (K=2048 -> N=7168), M=32768 token rows, G in {4, 8, 32}
 groups, balanced and skewed (Dirichlet(0.5), seed 0) group sizes rounded to multiples of 16 (what
@@ -83,7 +84,7 @@ def torch_time_ms(fn, iters: int) -> float:
 
 
 # ---- JAX rows ----
-def jax_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
+def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ...] = (), fp8_tiles: tuple[str, ...] = ()) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
@@ -126,6 +127,17 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
       if kernels != mosaic.DEFAULT_KERNELS:
         f = mosaic.make_gmm(kernels)
         add(f"mosaic:{kernels}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
+    # --quant: the quantised expert GEMMs (MaxText/quant/), quantisation passes included in the time.
+    from MaxText.quant import quantized_gmm
+
+    for q in quant:
+      f = quantized_gmm(q, "mosaic")
+      add(f"mosaic+{q}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
+    from MaxText.quant import fp8_blockwise
+
+    for tiles in fp8_tiles:  # block_m x block_n x max_concurrent_steps x grid_block_n
+      f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(*map(int, tiles.split("x"))))
+      add(f"mosaic+fp8_blockwise[{tiles}]", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
 
   # Fixed capacity: every group padded to the largest group (rounded to 128 rows).
   cap = int(-(-sizes_np.max() // 128) * 128)
@@ -278,6 +290,20 @@ def markdown(results: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def quant_summary(results: dict) -> str:
+  """--quant rows against bf16 mosaic, fwd+bwd (issue 7's target: fp8_blockwise >= 1.4x)."""
+  quant = [b for b in results["backends"] if b.startswith("mosaic+")]
+  if not quant:
+    return ""
+  lines = ["", "Quantised over bf16 `mosaic`, speed-up (TFLOP/s ratio):", "", "| shape | G | sizes | mode | " + " | ".join(quant) + " |", "|---" * (4 + len(quant)) + "|"]
+  for case in results["cases"]:
+    for mode in ("fwd", "fwd+bwd"):
+      by = {r["backend"]: r.get("tflops") for r in case["rows"] if r["mode"] == mode}
+      cells = [f"{by[q] / by['mosaic']:.2f}" if by.get(q) and by.get("mosaic") else "-" for q in quant]
+      lines.append(f"| {case['shape']} | {case['groups']} | {case['sizes']} | {mode} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def plot(json_path: Path) -> Path:
   import matplotlib
 
@@ -316,6 +342,8 @@ def main() -> int:
   ap.add_argument("--quick", action="store_true", help="G=8 balanced and G=32 skewed only")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--plot", type=Path)
+  ap.add_argument("--quant", default="", help="comma-separated quantizations to add as mosaic+<q> rows: mxfp8,fp8_blockwise")
+  ap.add_argument("--fp8-tiles", default="", help="extra fp8_blockwise kernel tiles to time, comma-separated MxNxSTAGESxGRIDN, e.g. 64x128x6x4,128x64x4x4")
   args = ap.parse_args()
   if args.plot:
     print(plot(args.plot))
@@ -331,13 +359,14 @@ def main() -> int:
   cases = [(8, "balanced"), (32, "skewed")] if args.quick else CASES
   results["cases"] = []
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
-    rows = jax_rows(k, n, g, kind, args.iters) + torch_rows(k, n, g, kind, args.iters)
+    quant, tiles = (tuple(v for v in a.split(",") if v) for a in (args.quant, args.fp8_tiles))
+    rows = jax_rows(k, n, g, kind, args.iters, quant, tiles) + torch_rows(k, n, g, kind, args.iters)
     results["cases"].append({"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "rows": rows})
     (args.out / "grouped_gemm.json").write_text(json.dumps({**results, "backends": []}, indent=1))
   results["backends"] = list(dict.fromkeys(r["backend"] for c in results["cases"] for r in c["rows"]))
   (args.out / "grouped_gemm.json").write_text(json.dumps(results, indent=1))
-  (args.out / "grouped_gemm.md").write_text(markdown(results))
-  print(markdown(results))
+  (args.out / "grouped_gemm.md").write_text(markdown(results) + quant_summary(results))
+  print(markdown(results) + quant_summary(results))
   return 0
 
 

@@ -131,3 +131,23 @@ def test_mosaic_tile_schedule_skips_nothing_and_owns_every_row_once():
   padded_a = mosaic._pad(a, 1)
   assert padded_a.shape == (3, 256) and float(padded_a[:, 200:].sum()) == 0.0
   assert mosaic._pad(jnp.ones((3, 256)), 1).shape == (3, 256)
+
+
+def test_custom_vjp_inside_shard_map_types_results_and_sums_weight_gradients():
+  """Under expert parallelism the grouped GEMM runs inside shard_map with rows split over devices and
+  weights replicated: the weight gradient is the sum of every device's partial, as jax.grad of the
+  unsharded computation says (a Pallas kernel's untyped output is typed by the same wrapper)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((2, 2), ("data", "expert"))
+  rule = vjp.grouped_gemm_with_vjp(vjp.xla_fwd, vjp.xla_dgrad, vjp.xla_wgrad)
+  sizes = jnp.array([10, 6], jnp.int32)
+  x = jax.random.normal(jax.random.key(0), (64, 8))
+  w = jax.random.normal(jax.random.key(1), (2, 8, 6))
+  per_device = jax.shard_map(lambda x, w: rule(x, w, sizes), mesh=mesh, in_specs=(P(("data", "expert")), P()), out_specs=P(("data", "expert")))
+  xs, ws = jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))), jax.device_put(w, NamedSharding(mesh, P()))
+  got = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(per_device(x, w))), argnums=(0, 1)))(xs, ws)
+  shards = lambda x, w: sum(jnp.sum(jnp.sin(vjp.xla_fwd(x[i * 16 : (i + 1) * 16], w, sizes))) for i in range(4))  # noqa: E731
+  want = jax.grad(shards, argnums=(0, 1))(x, w)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)

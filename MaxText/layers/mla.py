@@ -10,6 +10,7 @@ heads. Attention is causal and, for packed rows, stays within a document
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config_schema import ModelConfig
 from MaxText.layers.norms import rms_norm, rms_norm_spec
@@ -23,12 +24,12 @@ def mla_specs(cfg: ModelConfig) -> dict:
   if cfg.q_lora_rank > 0:
     specs["wq_a"] = ParamSpec((d, cfg.q_lora_rank), ("embed", "q_lora"))
     specs["q_norm"] = rms_norm_spec(cfg.q_lora_rank)
-    specs["wq_b"] = ParamSpec((cfg.q_lora_rank, h, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"))
+    specs["wq_b"] = ParamSpec((cfg.q_lora_rank, h, cfg.qk_head_dim), ("q_lora_in", "heads", "head_dim"))
   else:
     specs["wq"] = ParamSpec((d, h, cfg.qk_head_dim), ("embed", "heads", "head_dim"))
   specs["wkv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
   specs["kv_norm"] = rms_norm_spec(cfg.kv_lora_rank)
-  specs["wkv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"))
+  specs["wkv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora_in", "heads", "head_dim"))
   specs["wo"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
   return specs
 
@@ -78,7 +79,7 @@ def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConf
   eps, nope = cfg.normalization_layer_epsilon, cfg.qk_nope_head_dim
   with jax.named_scope("mla_q"):
     if cfg.q_lora_rank > 0:
-      q = rms_norm(jnp.einsum("bsd,dr->bsr", x, p["wq_a"]), p["q_norm"], eps)
+      q = rms_norm(checkpoint_name(jnp.einsum("bsd,dr->bsr", x, p["wq_a"]), "mla_q"), p["q_norm"], eps)
       q = jnp.einsum("bsr,rhk->bshk", q, p["wq_b"])
     else:
       q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
@@ -86,16 +87,19 @@ def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConf
     q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], *rope)
 
   with jax.named_scope("mla_kv"):
-    kv_a = jnp.einsum("bsd,dr->bsr", x, p["wkv_a"])
+    kv_a = checkpoint_name(jnp.einsum("bsd,dr->bsr", x, p["wkv_a"]), "mla_kv")
     latent = rms_norm(kv_a[..., : cfg.kv_lora_rank], p["kv_norm"], eps)
     k_rope = apply_rope(kv_a[..., None, cfg.kv_lora_rank :], *rope)[:, :, 0, :]  # one head, shared
     kv = shard(jnp.einsum("bsr,rhk->bshk", latent, p["wkv_b"]), ("batch", "seq", "act_heads", None))
     k_nope, v = kv[..., :nope], kv[..., nope:]
 
   with jax.named_scope("attention"):
-    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    # Checkpoint names (MaxText/remat.py) for what remat_policy may keep for the backward pass.
+    q = checkpoint_name(jnp.concatenate([q_nope, q_rope], axis=-1), "query_proj")
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+    k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     out = shard(ATTENTION[cfg.attention](q, k, v, softmax_scale(cfg), segment_ids), ("batch", "seq", "act_heads", None))
+    out = checkpoint_name(out, "attention_out")
 
   with jax.named_scope("attention_out"):
-    return jnp.einsum("bshk,hkd->bsd", out, p["wo"])
+    return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, p["wo"]), "out_proj")

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.params import ParamSpec
 
@@ -15,7 +16,8 @@ def mlp_specs(emb_dim: int, mlp_dim: int) -> dict:
 
 
 def mlp(p: dict, x: jax.Array, shard) -> jax.Array:
-  gate = jnp.einsum("bsd,df->bsf", x, p["wi_0"])
-  up = jnp.einsum("bsd,df->bsf", x, p["wi_1"])
-  h = shard(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-  return jnp.einsum("bsf,fd->bsd", h, p["wo"])
+  # Checkpoint names (MaxText/remat.py): what remat_policy may keep for the backward pass.
+  gate = checkpoint_name(jnp.einsum("bsd,df->bsf", x, p["wi_0"]), "mlpwi_0")
+  up = checkpoint_name(jnp.einsum("bsd,df->bsf", x, p["wi_1"]), "mlpwi_1")
+  h = checkpoint_name(shard(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp")), "mlpwi")
+  return checkpoint_name(jnp.einsum("bsf,fd->bsd", h, p["wo"]), "mlpwo")

@@ -4,19 +4,23 @@
 
 Routing is in `router.py`, the permutation in `dispatch/`, the expert GEMMs in
 `gmm/`; this file wires them together for one layer and reports the expert
-load (for the bias update and the step log) and the dropped copies.
+load (for the bias update and the step log) and the dropped copies. Under
+expert parallelism (moe_dispatch = ragged_a2a | dense_a2a | allgather | te) the
+routed experts run in `ep/` over the mesh that `shard` carries; the shared
+experts do not depend on the dispatch, so XLA may overlap them with it.
 """
 
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config_schema import MoEConfig
 from MaxText.layers.mlp import mlp, mlp_specs
-from MaxText.moe import router
+from MaxText.moe import ep, router
 from MaxText.moe.dispatch import get_dispatcher
-from MaxText.moe.gmm import get_gmm
+from MaxText.quant import quantized_gmm
 from MaxText.params import ParamSpec
 
 
@@ -24,6 +28,11 @@ class MoEStats(NamedTuple):
   load: jax.Array  # [experts] int32 token copies routed to each expert
   dropped: jax.Array  # scalar int32 copies dropped by a capacity limit
   balance_loss: jax.Array  # scalar float32 sequence-wise auxiliary loss (unweighted)
+  # Expert parallelism (0 otherwise): copies that did not fit a moe_ep_buffer_factor buffer (the
+  # step must not be applied), and payload bytes sent between EP ranks with / without dedup.
+  ep_overflow: jax.Array | int = 0  # scalar int32
+  ep_sent_bytes: jax.Array | float = 0.0  # scalar float32
+  ep_sent_bytes_nodedup: jax.Array | float = 0.0  # scalar float32
 
 
 def moe_specs(emb_dim: int, cfg: MoEConfig) -> dict:
@@ -41,25 +50,38 @@ def moe_specs(emb_dim: int, cfg: MoEConfig) -> dict:
 
 def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm) -> jax.Array:
   with jax.named_scope("gmm"):
-    gate = gmm(rows, p["wi_0"], group_sizes)
-    up = gmm(rows, p["wi_1"], group_sizes)
-    return gmm(jax.nn.silu(gate) * up, p["wo"], group_sizes)
+    # Checkpoint names (MaxText/remat.py): top-k times the tokens, the largest activations of the layer.
+    gate = checkpoint_name(gmm(rows, p["wi_0"], group_sizes), "moe_mlpwi_0")
+    up = checkpoint_name(gmm(rows, p["wi_1"], group_sizes), "moe_mlpwi_1")
+    return checkpoint_name(gmm(jax.nn.silu(gate) * up, p["wo"], group_sizes), "moe_mlpwo")
 
 
 def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[jax.Array, MoEStats]:
   """x [batch, seq, embed] -> ([batch, seq, embed], stats)."""
   batch, seq, d = x.shape
   tokens = x.reshape(batch * seq, d)
+  shared = None
+  if cfg.shared_experts:  # independent of the routed path, so it can overlap the dispatch
+    with jax.named_scope("shared_experts"):
+      shared = mlp(p["shared"], x, shard)
   with jax.named_scope("router"):
     r = router.route(tokens, p["gate"], bias, cfg)
-  dispatcher = get_dispatcher(cfg.moe_dispatch, cfg.capacity_factor)
+  balance = router.sequence_balance_loss(r, batch, cfg) if cfg.load_balance_loss_weight > 0 else jnp.zeros((), jnp.float32)
+  load = router.expert_load(r.expert_ids, cfg.num_experts)
+  if ep.is_ep(cfg.moe_dispatch):
+    from MaxText.moe.ep.parallel import routed_ep
+
+    gmm = quantized_gmm(cfg.quantization, cfg.moe_gmm_backend)
+    out, overflow, sent, nodedup = routed_ep(lambda w, rows, sizes: routed_experts(w, rows, sizes, gmm), p, x, r.expert_ids, r.weights, cfg, shard.mesh)
+    out = out if shared is None else out + shared
+    return out, MoEStats(load, jnp.zeros((), jnp.int32), balance, overflow, sent, nodedup)
+  dispatcher = get_dispatcher(cfg.moe_dispatch, cfg.capacity_factor, cfg.moe_group_pad_multiple)
   with jax.named_scope("permute"):
     dispatched = dispatcher.dispatch(tokens, r.expert_ids, cfg.num_experts)
-  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, get_gmm(cfg.moe_gmm_backend))
+  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, quantized_gmm(cfg.quantization, cfg.moe_gmm_backend))
   with jax.named_scope("combine"):
     out = dispatcher.combine(y, r.weights, dispatched).reshape(batch, seq, d)
-  if cfg.shared_experts:
-    with jax.named_scope("shared_experts"):
-      out = out + mlp(p["shared"], x, shard)
-  balance = router.sequence_balance_loss(r, batch, cfg) if cfg.load_balance_loss_weight > 0 else jnp.zeros((), jnp.float32)
-  return out, MoEStats(router.expert_load(r.expert_ids, cfg.num_experts), dispatched.dropped, balance)
+  if shared is not None:
+    out = out + shared
+  zero = jnp.zeros((), jnp.float32)
+  return out, MoEStats(load, dispatched.dropped, balance, jnp.zeros((), jnp.int32), zero, zero)

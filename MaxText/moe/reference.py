@@ -17,11 +17,13 @@ def _swiglu(x, wi_0, wi_1, wo):
   return (jax.nn.silu(x @ wi_0) * (x @ wi_1)) @ wo
 
 
-def moe_loop(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig) -> jax.Array:
+def moe_loop(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, expert_ids: np.ndarray | None = None) -> jax.Array:
+  """Differentiable in p and x (jax.grad, not under jit) when the routing `expert_ids` are given:
+  they are what router.route picks for these inputs, computed beforehand as concrete values."""
   batch, seq, d = x.shape
   tokens = x.reshape(-1, d)
   r = router.route(tokens, p["gate"], bias, cfg)
-  ids, weights = np.asarray(r.expert_ids), np.asarray(r.weights)
+  ids, weights = np.asarray(r.expert_ids if expert_ids is None else expert_ids), r.weights
   out = []
   for t in range(tokens.shape[0]):
     acc = jnp.zeros((d,), jnp.float32)

@@ -3,9 +3,12 @@ whose PYTHONPATH holds the CUDA plugin (kept out of the main environment so CPU 
 
   python tests/compile_only/lower_for_gpu.py train_step RECIPE [key=value ...]
   python tests/compile_only/lower_for_gpu.py mosaic_gmm
+  python tests/compile_only/lower_for_gpu.py memory RECIPE [key=value ...]   # one H200: host offload
+  python tests/compile_only/lower_for_gpu.py ep_layer RECIPE [key=value ...]   # MoE layer fwd+bwd, EP over 8 H200s
 """
 
 import json
+import re
 import sys
 
 import jax
@@ -41,18 +44,96 @@ def train_step(recipe: str, overrides: list[str]) -> dict:
   }
 
 
+def memory(recipe: str, overrides: list[str]) -> dict:
+  """The train step on one H200: what it keeps in host memory.
+
+  (Compile-only devices have no memory spaces in their API, so state shardings with
+  memory_kind=pinned_host cannot be expressed here; activation offload goes through
+  the remat policy's memory-space moves, which can.)"""
+  import re
+
+  import numpy as np
+
+  cfg = load_config(recipe, ["ici_fsdp_parallelism=1", *overrides])
+  devices = compile_only.devices("h200", 1)
+  mesh = Mesh(np.asarray(devices).reshape([1] * len(MESH_AXES)), MESH_AXES)
+  trainer = Trainer(cfg, mesh)
+  b, s = trainer.global_batch, cfg.train.max_target_length
+  batch = Batch(jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.float32))
+  compiled = trainer.jit_step().lower(trainer.abstract_state(), batch).compile()
+  text = compiled.as_text()
+  mem = compiled.memory_analysis()
+  return {
+      "device_kind": devices[0].device_kind,
+      "argument_bytes": mem.argument_size_in_bytes,
+      "temp_bytes": mem.temp_size_in_bytes,
+      "host_argument_bytes": mem.host_argument_size_in_bytes,
+      "host_output_bytes": mem.host_output_size_in_bytes,
+      "host_temp_bytes": mem.host_temp_size_in_bytes,
+      # Shapes placed in host memory space S(5) and the async copies that move them.
+      "host_shapes": len(re.findall(r"\{[^{}]*S\(5\)[^{}]*\}", text)),
+  }
+
+
 def mosaic_gmm() -> dict:
   from MaxText.moe.gmm import mosaic
 
   devices = compile_only.devices("h200", 1)
   s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
   args = (jax.ShapeDtypeStruct((4096, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((8, 7168, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
-  compiled = jax.jit(mosaic.gmm, in_shardings=(s, s, s)).lower(*args).compile()
-  text = compiled.as_text()
-  return {"device_kind": devices[0].device_kind, "mosaic_custom_call": "mosaic_gpu" in text}
+  compiled = jax.jit(mosaic.make_gmm("jax"), in_shardings=(s, s, s)).lower(*args).compile()
+  result = {"device_kind": devices[0].device_kind, "mosaic_custom_call": "mosaic_gpu" in compiled.as_text()}
+
+  # Our kernel set, forward and backward (JAX's wgrad kernel asks the attached device for its SM
+  # count, so only its forward compiles without a GPU).
+  ours = mosaic.make_gmm("ours")
+
+  def loss_grads(x, w, sizes):
+    return jax.grad(lambda x, w: jnp.sum(jnp.square(ours(x, w, sizes).astype(jnp.float32))), argnums=(0, 1))(x, w)
+
+  text = jax.jit(loss_grads, in_shardings=(s, s, s)).lower(*args).compile().as_text()
+  result["ours_fwd_bwd_mosaic_kernels"] = sum(1 for line in text.splitlines() if "custom_call_target=\"mosaic_gpu" in line)
+  return result
+
+
+def ep_layer(recipe: str, overrides: list[str]) -> dict:
+  """The MoE layer's forward and backward under expert parallelism (moe_dispatch=...) on 8 H200s."""
+  import numpy as np
+
+  from MaxText import params
+  from MaxText.moe.layer import moe, moe_specs
+  from MaxText.sharding import Sharder, param_shardings
+
+  cfg = load_config(recipe, overrides)
+  devices = compile_only.devices("h200", 8)
+  shape = mesh_shape(cfg.mesh, len(devices))
+  mesh = Mesh(np.asarray(devices).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
+  shard = Sharder(mesh)
+  specs = moe_specs(cfg.model.emb_dim, cfg.moe)
+  dtype = jnp.dtype(cfg.model.dtype)
+  x = jax.ShapeDtypeStruct((cfg.train.per_device_batch_size * len(devices), cfg.train.max_target_length, cfg.model.emb_dim), dtype)
+  bias = jax.ShapeDtypeStruct((cfg.moe.num_experts,), jnp.float32)
+
+  def loss(p, x, bias):
+    out, stats = moe(p, x, bias, cfg.moe, shard)
+    return jnp.sum(out.astype(jnp.float32) ** 2), stats.ep_overflow
+
+  in_shardings = (param_shardings(specs, mesh), shard.named(("batch", "seq", "act_embed")), NamedSharding(mesh, PartitionSpec()))
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), in_shardings=in_shardings)
+  text = grad.lower(params.abstract(specs, dtype), x, bias).compile().as_text()
+  ops = ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")
+  found = {op for op in ops if re.search(rf"(?<![-\w]){op}(-start)?\(", text)}
+  return {"device_kind": devices[0].device_kind, "mesh": shape, "collectives": sorted(found)}
 
 
 if __name__ == "__main__":
   what = sys.argv[1]
-  result = train_step(sys.argv[2], sys.argv[3:]) if what == "train_step" else mosaic_gmm()
+  if what == "train_step":
+    result = train_step(sys.argv[2], sys.argv[3:])
+  elif what == "memory":
+    result = memory(sys.argv[2], sys.argv[3:])
+  elif what == "ep_layer":
+    result = ep_layer(sys.argv[2], sys.argv[3:])
+  else:
+    result = mosaic_gmm()
   print("RESULT " + json.dumps(result))

@@ -3,8 +3,8 @@ and expert-grouped order, one module per strategy, chosen by `moe_dispatch`.
 
 Interface (every backend):
   dispatch(x [tokens, embed], expert_ids [tokens, k], num_experts) -> Dispatched
-      rows grouped by expert, `group_sizes` [experts] rows per expert, and the
-      context that `combine` needs
+      rows grouped by expert, `group_sizes` [experts] rows per expert (padding
+      rows included: they are zero), and the context that `combine` needs
   combine(y [rows, embed], weights [tokens, k], dispatched) -> [tokens, embed]
       the weighted sum over each token's k experts, accumulated in float32
 """
@@ -27,10 +27,10 @@ class Dispatcher(Protocol):
   def combine(self, y: jax.Array, weights: jax.Array, dispatched: Dispatched) -> jax.Array: ...
 
 
-def get_dispatcher(name: str, capacity_factor: float) -> Dispatcher:
+def get_dispatcher(name: str, capacity_factor: float, group_pad_multiple: int = 0) -> Dispatcher:
   from MaxText.moe.dispatch import capacity, sort
 
-  backends = {"sort": lambda: sort.SortDispatcher(), "capacity": lambda: capacity.CapacityDispatcher(capacity_factor)}
+  backends = {"sort": lambda: sort.SortDispatcher(group_pad_multiple), "capacity": lambda: capacity.CapacityDispatcher(capacity_factor)}
   if name not in backends:
     raise ValueError(f"unknown moe_dispatch '{name}'; choose one of: {', '.join(backends)}")
   return backends[name]()

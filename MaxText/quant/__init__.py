@@ -1,0 +1,85 @@
+"""Quantised expert grouped GEMMs, chosen by `quantization` (MoE section) on top of `moe_gmm_backend`.
+
+  ""             no quantisation: the backend's own gmm
+  mxfp8          MXFP8 (OCP MX: e4m3, e8m0 scale per 32), emulated on the bf16 backend (mxfp8.py)
+  fp8_blockwise  DeepSeek-V3 FP8 (e4m3, fp32 scales per 1x128 / 128x128), fp32-accumulating kernels
+                 with in-kernel scales: `mosaic` (Hopper) or `xla` (jnp reference) (fp8_blockwise.py)
+
+Formats are in formats.py, per-group row alignment for the weight gradient in groups.py. Every
+choice returns the same interface as gmm/: gmm(x [rows, K], w [G, K, N], group_sizes) -> [rows, N].
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.moe import gmm as gmm_registry
+from MaxText.moe.gmm import vjp
+
+CHOICES = ("", "mxfp8", "fp8_blockwise")
+FP8_BLOCKWISE_BACKENDS = ("mosaic", "xla")
+
+
+def check(name: str, backend: str) -> str | None:
+  """Why `name` cannot run on `backend` (one line), or None."""
+  if name not in CHOICES:
+    return f"unknown quantization '{name}'; choose one of: {', '.join(repr(c) for c in CHOICES)}"
+  if name and backend == "padded":
+    return f"quantization={name} needs contiguous groups (moe_dispatch=sort); moe_gmm_backend=padded uses the capacity layout"
+  if name == "fp8_blockwise" and backend not in (*FP8_BLOCKWISE_BACKENDS, "auto"):
+    return f"quantization=fp8_blockwise runs its own kernels: moe_gmm_backend=mosaic (Hopper) or xla (reference); got {backend}"
+  return None
+
+
+def _kernels(backend: str):
+  """(fwd, dgrad, wgrad) of a bf16 backend; for backends without separate kernels, from its VJP."""
+  if backend == "mosaic":
+    from MaxText.moe.gmm import mosaic
+
+    return mosaic.kernel_functions(mosaic.DEFAULT_KERNELS)
+  if backend == "xla":
+    return vjp.xla_fwd, vjp.xla_dgrad, vjp.xla_wgrad
+  return _kernels_from_vjp(gmm_registry.get_gmm(backend))
+
+
+def _kernels_from_vjp(f):
+  def dgrad(dy, w, sizes):  # f is linear in x: its VJP at any x (zeros) is the dgrad
+    return jax.vjp(lambda x: f(x, w, sizes), jnp.zeros((dy.shape[0], w.shape[1]), dy.dtype))[1](dy)[0]
+
+  def wgrad(x, dy, sizes):
+    return jax.vjp(lambda w: f(x, w, sizes), jnp.zeros((sizes.shape[0], x.shape[1], dy.shape[1]), x.dtype))[1](dy)[0]
+
+  return f, dgrad, wgrad
+
+
+@functools.cache
+def quantized_gmm(name: str, backend: str) -> gmm_registry.Gmm:
+  """The grouped GEMM for `quantization=name` on the resolved `moe_gmm_backend` (not auto)."""
+  if (why := check(name, backend)) or backend == "auto":
+    raise ValueError(why or "resolve moe_gmm_backend=auto first")
+  if not name:
+    return gmm_registry.get_gmm(backend)
+  if name == "mxfp8":
+    from MaxText.quant import mxfp8
+
+    return mxfp8.make_gmm(*_kernels(backend))
+  from MaxText.quant import fp8_blockwise
+
+  if backend == "mosaic" and not gmm_registry.available("mosaic"):
+    raise RuntimeError("quantization=fp8_blockwise with moe_gmm_backend=mosaic needs jax's Pallas Mosaic GPU; upgrade jax")
+  return fp8_blockwise.make_gmm(fp8_blockwise.KERNELS[backend])
+
+
+def describe(name: str, backend: str, device: jax.Device) -> str:
+  """One log line: what runs for the expert GEMMs, and whether it is emulated."""
+  if name == "mxfp8":
+    return (f"quantization=mxfp8 is emulated on {device.device_kind}: operands quantised to MXFP8 and dequantised "
+            f"into the {backend} grouped GEMM (no native block-scaled grouped GEMM wired; Blackwell/TE paths are not in this build)")
+  if name == "fp8_blockwise":
+    if backend == "mosaic":
+      return ("quantization=fp8_blockwise: e4m3 Pallas Mosaic GPU grouped GEMMs (sm_90 wgmma), "
+              "block scales applied in the kernel, fp32 accumulation")
+    return ("quantization=fp8_blockwise: jnp reference kernels (same blockwise math; fp32 products, no fp8 speed-up); "
+            "use moe_gmm_backend=mosaic on Hopper")
+  return "quantization off"

@@ -1,0 +1,93 @@
+"""`quantization: fp8_blockwise`: the expert grouped GEMM with e4m3 operands and DeepSeek-V3 block scales.
+
+  forward  y  = x @ w[g]        x in 1x128 tiles along K, w in 128x128 blocks
+  dgrad    dx = dy @ w[g]^T     dy in 1x128 tiles along N, the same weight blocks
+  wgrad    dw = x_g^T @ dy_g    x and dy in 128x1 tiles along rows, rows aligned per group to 128
+                                so that no tile holds two experts' rows (quant/groups.py)
+
+Gradients pass straight through the quantisers; w stays in its own (master) dtype and is quantised
+on the fly each step. Kernels (`moe_gmm_backend`): `mosaic` runs the Hopper kernels with the scales
+applied in the kernel (fp8_mosaic.py); `xla` runs the same blockwise math in jnp (fp8_reference.py),
+for CPU and as the reference.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.quant import fp8_mosaic, fp8_reference
+from MaxText.quant.formats import FP8_BLOCK, Quantized, activation_quantize, blockwise_quantize, weight_quantize
+from MaxText.quant.groups import align_groups, to_aligned
+
+
+def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
+  extra = -a.shape[axis] % multiple
+  return a if not extra else jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+
+
+class MosaicKernels:
+  """Lay the quantised operands out as the Hopper kernels need (K-major, widths padded) and call them."""
+
+  # One warpgroup per CTA holds the fp32 carry and the per-block partial: 64x128 keeps both in registers
+  # (2 x 64 per thread). Untuned on hardware: sweep with benchmarks/grouped_gemm.py --quant.
+  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False):
+    self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
+    self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
+    self.grid_block_n = grid_block_n
+
+  def _rows(self, aq: Quantized, wq_t: jax.Array, ws_t: jax.Array, group_sizes, out_dtype) -> jax.Array:
+    """aq [M, K] (1x128 along K), wq_t [G, N, K], ws_t [G, K/128, N/128] -> [M, N]."""
+    m, n = aq.q.shape[0], wq_t.shape[1]
+    bm, bn = self.block_m, self.block_n
+    a = _pad(aq.q, 1, FP8_BLOCK)
+    if m < bm:  # the kernel reads whole row tiles: give tiny inputs one
+      a = _pad(a, 0, bm)
+    sa = _pad(aq.scale.T, 1, bm)  # [K/128, M rounded up]
+    b = _pad(_pad(wq_t, 1, bn), 2, FP8_BLOCK)
+    sb = _pad(jnp.repeat(ws_t, FP8_BLOCK, axis=2)[:, :, :n], 2, bn)  # each column's weight-block scale
+    y = fp8_mosaic.scaled_ragged_dot(
+        a, sa, b, sb, group_sizes, block_m=bm, block_n=bn, grid_block_n=self.grid_block_n, out_dtype=out_dtype, interpret=self.interpret, **self.pipeline
+    )
+    return y[:m, :n]
+
+  def fwd(self, xq, wq, group_sizes, out_dtype):
+    return self._rows(xq, jnp.swapaxes(wq.q, 1, 2), wq.scale, group_sizes, out_dtype)
+
+  def dgrad(self, dyq, wq, group_sizes, out_dtype):
+    return self._rows(dyq, wq.q, jnp.swapaxes(wq.scale, 1, 2), group_sizes, out_dtype)
+
+  def wgrad(self, xq, dyq, aligned_sizes, out_dtype):
+    k, n = xq.q.shape[1], dyq.q.shape[1]
+    bm, bn = self.block_m, self.block_n
+    a, sa = _pad(xq.q.T, 0, bm), _pad(xq.scale, 1, bm)
+    b, sb = _pad(dyq.q.T, 0, bn), _pad(dyq.scale, 1, bn)
+    dw = fp8_mosaic.scaled_transposed_ragged_dot(
+        a, sa, b, sb, aligned_sizes, block_m=bm, block_n=bn, out_dtype=out_dtype, interpret=self.interpret, **self.pipeline
+    )
+    return dw[:, :k, :n]
+
+
+KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels()}
+
+
+def make_gmm(kernels):
+  """The fp8_blockwise grouped GEMM over `kernels` (an object with fwd, dgrad, wgrad), with its VJP."""
+
+  def forward(x, w, group_sizes):
+    return kernels.fwd(activation_quantize(x, 1), weight_quantize(w), group_sizes, x.dtype)
+
+  def gmm_fwd(x, w, group_sizes):
+    return forward(x, w, group_sizes), (x, w, group_sizes)
+
+  def gmm_bwd(res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)
+    dx = kernels.dgrad(activation_quantize(dy, 1), weight_quantize(w), group_sizes, x.dtype)
+    aligned = align_groups(group_sizes, x.shape[0], FP8_BLOCK)
+    xq = blockwise_quantize(to_aligned(x, aligned), {0: FP8_BLOCK})
+    dyq = blockwise_quantize(to_aligned(dy, aligned), {0: FP8_BLOCK})
+    dw = kernels.wgrad(xq, dyq, aligned.group_sizes, w.dtype)
+    return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+
+  gmm = jax.custom_vjp(forward)
+  gmm.defvjp(gmm_fwd, gmm_bwd)
+  return gmm

@@ -1,0 +1,50 @@
+"""Per-group row alignment, so that row blocks of a weight-gradient contraction never straddle groups.
+
+The weight gradient dw[g] = x_g^T @ dy_g contracts over the rows of group g. Quantising x and dy
+in blocks along rows (32 for mxfp8, 128 for fp8_blockwise) needs each block inside one group, and
+group sizes are arbitrary. So rows are scattered into an aligned layout where every group starts at
+a multiple of `align` and is zero-filled up to the next one; blocks then never cross a boundary, and
+the zero rows add nothing to the contraction.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Aligned(NamedTuple):
+  dest: jax.Array  # [rows] int32: each row's position in the aligned layout (padded_rows for padding rows)
+  group_sizes: jax.Array  # [groups] int32: group sizes rounded up to `align`
+  padded_rows: int  # static: rows + groups * (align - 1), rounded up to `align`
+
+
+def align_groups(group_sizes: jax.Array, rows: int, align: int) -> Aligned:
+  sizes = group_sizes.astype(jnp.int32)
+  g = sizes.shape[0]
+  padded_rows = -(-(rows + g * (align - 1)) // align) * align
+  ends = jnp.cumsum(sizes)
+  aligned_sizes = -(-sizes // align) * align
+  aligned_starts = jnp.cumsum(aligned_sizes) - aligned_sizes
+  r = jnp.arange(rows, dtype=jnp.int32)
+  gid = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # == groups for rows past the total
+  safe = jnp.minimum(gid, g - 1)
+  dest = jnp.where(gid < g, aligned_starts[safe] + r - (ends[safe] - sizes[safe]), padded_rows)
+  return Aligned(dest, aligned_sizes, padded_rows)
+
+
+def to_aligned(x: jax.Array, a: Aligned) -> jax.Array:
+  """x [rows, ...] -> [padded_rows, ...]: rows at their aligned positions, zeros elsewhere."""
+  return jnp.zeros((a.padded_rows, *x.shape[1:]), x.dtype).at[a.dest].set(x, mode="drop")
+
+
+def from_aligned(xa: jax.Array, a: Aligned) -> jax.Array:
+  """Inverse of to_aligned; padding rows come back as zeros."""
+  return xa.at[a.dest].get(mode="fill", fill_value=0)
+
+
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+  """[rows] int32 group of each row, clamped to the last group for rows past the total (never read)."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  gid = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+  return jnp.minimum(gid, group_sizes.shape[0] - 1).astype(jnp.int32)

@@ -1,0 +1,46 @@
+"""`quantization: mxfp8`: the expert grouped GEMM on MXFP8 operands (e4m3, one e8m0 scale per 32).
+
+  forward  y  = x @ w[g]        x and w in blocks of 32 along K
+  dgrad    dx = dy @ w[g]^T     dy and w in blocks of 32 along N
+  wgrad    dw = x_g^T @ dy_g    x and dy in blocks of 32 along rows, rows aligned per group to 32
+                                so that no block holds two experts' rows (quant/groups.py)
+
+Hopper has no block-scaled MMA, so the numerics are emulated: each operand is quantised, dequantised
+into the compute dtype (exact: e4m3 times a power of two fits bf16) and multiplied by the chosen
+bf16 grouped-GEMM backend (`moe_gmm_backend`). Gradients pass straight through the quantisers;
+master weights keep their dtype. Native MXFP8 (Blackwell tcgen05 block-scaled MMA) is not wired yet:
+jax.nn.scaled_dot_general is a dense, not grouped, product; see quant/__init__.py.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.quant.formats import MX_BLOCK, fake_quantize, mx_quantize
+from MaxText.quant.groups import align_groups, from_aligned, to_aligned
+
+
+def _rows_quantized(a: jax.Array, aligned) -> jax.Array:
+  """a [rows, ...] through MXFP8 with blocks of 32 rows inside each group."""
+  return from_aligned(fake_quantize(to_aligned(a, aligned), mx_quantize, 0), aligned)
+
+
+def make_gmm(fwd, dgrad, wgrad):
+  """The MXFP8 grouped GEMM over a bf16 backend's three kernels, with its VJP."""
+
+  def forward(x, w, group_sizes):
+    return fwd(fake_quantize(x, mx_quantize, 1), fake_quantize(w, mx_quantize, 1), group_sizes)
+
+  def gmm_fwd(x, w, group_sizes):
+    return forward(x, w, group_sizes), (x, w, group_sizes)
+
+  def gmm_bwd(res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)
+    dx = dgrad(fake_quantize(dy, mx_quantize, 1), fake_quantize(w, mx_quantize, 2), group_sizes).astype(x.dtype)
+    aligned = align_groups(group_sizes, x.shape[0], MX_BLOCK)
+    dw = wgrad(_rows_quantized(x, aligned), _rows_quantized(dy, aligned), group_sizes).astype(w.dtype)
+    return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+
+  gmm = jax.custom_vjp(forward)
+  gmm.defvjp(gmm_fwd, gmm_bwd)
+  return gmm

@@ -1,0 +1,36 @@
+"""Compiles the quantised expert GEMMs (forward + both backward GEMMs) for a compile-only H200 and prints
+JSON; run by tests/test_quant.py in a subprocess whose PYTHONPATH holds the CUDA plugin.
+
+  python tests/compile_only/lower_fp8_for_gpu.py fp8_blockwise|mxfp8 [MxKxNxG ...]   (default 4096x7168x4096x8)
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText import compile_only
+from MaxText.quant import quantized_gmm
+
+
+def compile_one(fmt: str, m: int, k: int, n: int, g: int) -> dict:
+  devices = compile_only.devices("h200", 1)
+  s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
+  f = quantized_gmm(fmt, "mosaic")
+
+  def fwd_bwd(x, w, sizes, dy):
+    y, pullback = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
+    return (y, *pullback(dy))
+
+  S = jax.ShapeDtypeStruct
+  args = (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32), S((m, n), jnp.bfloat16))
+  compiled = jax.jit(fwd_bwd, in_shardings=(s,) * 4).lower(*args).compile()
+  text = compiled.as_text()
+  return {"device_kind": devices[0].device_kind, "mosaic_kernels": text.count('custom_call_target="mosaic_gpu'), "fp8_operands": "f8e4m3fn" in text}
+
+
+if __name__ == "__main__":
+  shapes = sys.argv[2:] or ["4096x7168x4096x8"]
+  print("RESULT " + json.dumps({shape: compile_one(sys.argv[1], *map(int, shape.split("x"))) for shape in shapes}))

@@ -1,0 +1,343 @@
+"""Quantised expert GEMMs (MaxText/quant/): the formats against NumPy references written here, the grouped
+GEMMs (CPU path, and the Mosaic kernels in Pallas' GPU interpreter) against float references, straight-through
+gradients, config errors, and short training runs against unquantised ones (the 300-step tiny recipe is opt-in:
+MAXTEXT_QUANT_CONVERGENCE=1)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import quant
+from MaxText.moe import gmm
+from MaxText.quant import fp8_blockwise, formats, groups, mxfp8
+
+# ---- NumPy references of the formats ----
+E4M3_MAX = 448.0
+
+
+def np_e4m3(v: np.ndarray) -> np.ndarray:
+  """Round float64 values to the e4m3fn grid, nearest-even, saturating at 448 (3 mantissa bits,
+  normal exponents -6..8, subnormal step 2^-9)."""
+  a = np.minimum(np.abs(v), E4M3_MAX)
+  e = np.maximum(np.floor(np.log2(np.where(a > 0, a, 1.0))), -6)
+  step = 2.0 ** (e - 3)
+  return np.sign(v) * np.minimum(np.round(a / step) * step, E4M3_MAX)  # np.round: half to even
+
+
+def np_mx(x: np.ndarray, block=32):
+  """OCP MX v1.0 MXFP8 along the last axis: (dequantised values, scale exponents; 128 marks the NaN scale).
+
+  Per block: X = 2^(floor(log2(amax)) - 8) clipped to [2^-127, 2^127] (2^-127 for an all-zero block),
+  elements round(x / X) on the e4m3 grid, saturating at 448; a block with Inf or NaN is all NaN."""
+  x = np.asarray(x, np.float64)
+  n = x.shape[-1]
+  xb = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -n % block)]).reshape(*x.shape[:-1], -1, block)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    amax = np.max(np.abs(xb), axis=-1, keepdims=True)
+    finite = np.isfinite(amax)
+    e = np.where(amax > 0, np.floor(np.log2(np.where(finite & (amax > 0), amax, 1.0))) - 8, -127)
+  e = np.clip(e, -127, 127)
+  out = np.where(finite, np_e4m3(np.where(finite, xb, 0.0) / 2.0**e) * 2.0**e, np.nan)
+  exps = np.where(finite, e, 128)[..., 0].astype(np.int64)
+  return out.reshape(*x.shape[:-1], -1)[..., :n], exps
+
+
+def np_blockwise(x: np.ndarray, block_shape: tuple[int, int]):
+  """DeepSeek-V3 blocks over the last two axes: (dequantised values, float32 scales amax * fp32(1/448))."""
+  x = np.asarray(x, np.float32)
+  bm, bn = block_shape
+  m, n = x.shape[-2:]
+  out = np.zeros(x.shape, np.float64)
+  scales = np.zeros((*x.shape[:-2], -(-m // bm), -(-n // bn)), np.float32)
+  for idx in np.ndindex(*x.shape[:-2]):
+    for i, j in np.ndindex(*scales.shape[-2:]):
+      sl = (*idx, slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn))
+      v = x[sl]
+      amax = np.max(np.abs(v))
+      if not np.isfinite(amax):
+        scales[(*idx, i, j)], out[sl] = np.nan, np.nan
+        continue
+      s = np.float32(1.0) if amax == 0 else np.float32(amax) * np.float32(1 / E4M3_MAX)
+      scales[(*idx, i, j)] = s
+      out[sl] = np_e4m3((v / s).astype(np.float64)) * np.float64(s)  # the quotient in float32, as stored
+  return out, scales
+
+
+def awkward_values(shape, seed=0) -> np.ndarray:
+  """Normal values with a different power-of-two range per 8 columns, exact zeros, tiny values, values
+  that e4m3 saturates on (amax mantissa >= 1.75), and the odd huge one."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=shape) * 2.0 ** rng.integers(-30, 30, size=(*shape[:-1], -(-shape[-1] // 8))).repeat(8, -1)[..., : shape[-1]]
+  x[..., :3] = 0.0
+  x[..., 3] = 1.9 * 2.0**5  # saturates: its block's amax/X lies in [448, 512)
+  x[..., 5] = 1e-38
+  return x.astype(np.float32)
+
+
+# ---- formats ----
+def test_mxfp8_matches_numpy_reference_including_zeros_saturation_and_specials():
+  x = awkward_values((6, 100))
+  x[1, 32:64] = 0.0  # an all-zero block
+  x[2, 40], x[3, 70], x[4, 99] = np.inf, -np.inf, np.nan
+  qt = formats.mx_quantize(jnp.asarray(x), axis=1)
+  want, want_exp = np_mx(x)
+  assert qt.q.dtype == jnp.float8_e4m3fn and qt.scale.dtype == jnp.float8_e8m0fnu and qt.scale.shape == (6, 4)
+  np.testing.assert_array_equal(np.asarray(formats.mx_exponent(qt.scale)), want_exp)
+  got = np.asarray(formats.dequantize(qt), np.float64)
+  np.testing.assert_array_equal(got, want.astype(np.float32))  # NaN where NaN, exact elsewhere
+  assert want_exp[1, 1] == -127 and np.all(got[1, 32:64] == 0)
+  assert np.isnan(got[2, 32:64]).all() and np.isnan(got[3, 64:96]).all() and np.isnan(got[4, 96:]).all()
+  assert np.isfinite(got[2, :32]).all()  # other blocks of the row are untouched
+  # saturation happened somewhere (the value at column 3 sits at 1.9 x its block's power of two)
+  assert np.any(np.abs(got[:, 3]) < np.abs(x[:, 3]) * 0.95)
+  # along another axis, and from bf16
+  xb = jnp.asarray(x[:, :64].T, jnp.bfloat16)
+  got_b = formats.dequantize(formats.mx_quantize(xb, axis=0))
+  np.testing.assert_array_equal(np.asarray(got_b, np.float32).T, np_mx(np.asarray(xb, np.float32).T)[0].astype(np.float32).astype(jnp.bfloat16).astype(np.float32))
+
+
+def test_fp8_blockwise_matches_numpy_reference_for_activations_and_weights():
+  x = awkward_values((5, 300), seed=1)
+  x[0, :128] = 0.0
+  x[1, 200], x[2, 10] = np.inf, np.nan
+  qt = formats.activation_quantize(jnp.asarray(x), axis=1)
+  want, want_scale = np_blockwise(x, (1, 128))
+  assert qt.scale.dtype == jnp.float32 and qt.scale.shape == (5, 3)
+  np.testing.assert_array_equal(np.asarray(qt.scale), want_scale[:, :, 0] if want_scale.ndim == 3 else want_scale)
+  np.testing.assert_array_equal(np.asarray(formats.dequantize(qt)), want.astype(np.float32))
+  assert float(qt.scale[0, 0]) == 1.0 and np.isnan(np.asarray(qt.scale[1, 1])) and np.isnan(np.asarray(formats.dequantize(qt))[2, :128]).all()
+
+  w = awkward_values((2, 200, 260), seed=2)
+  wq = formats.weight_quantize(jnp.asarray(w))
+  want, want_scale = np_blockwise(w, (128, 128))
+  assert wq.scale.shape == (2, 2, 3)
+  np.testing.assert_array_equal(np.asarray(wq.scale), want_scale)
+  np.testing.assert_array_equal(np.asarray(formats.dequantize(wq)), want.astype(np.float32))
+
+
+def test_group_alignment_keeps_rows_and_starts_groups_on_block_boundaries():
+  sizes = jnp.array([5, 0, 40, 1, 33], jnp.int32)
+  a = groups.align_groups(sizes, 90, 32)  # 79 real rows, 11 padding rows
+  assert a.padded_rows % 32 == 0 and a.padded_rows >= 90
+  np.testing.assert_array_equal(a.group_sizes, [32, 0, 64, 32, 64])
+  x = jnp.arange(90, dtype=jnp.float32)[:, None] + 1
+  xa = groups.to_aligned(x, a)
+  starts = np.cumsum([0, 32, 0, 64, 32])
+  for g, (start, size) in enumerate(zip(starts, [5, 0, 40, 1, 33])):
+    first = int(np.sum([5, 0, 40, 1, 33][:g]))
+    np.testing.assert_array_equal(xa[start : start + size, 0], np.arange(first, first + size) + 1)
+  assert float(xa.sum()) == float(x[:79].sum())  # padding rows dropped, zeros elsewhere
+  np.testing.assert_array_equal(groups.from_aligned(xa, a)[:79], x[:79])
+  assert float(groups.from_aligned(xa, a)[79:].sum()) == 0.0
+
+
+# ---- grouped GEMMs ----
+SIZES = {"balanced": [40, 40, 40, 40], "uneven": [70, 0, 57, 23], "one group": [0, 150, 0, 0]}  # 160 rows
+
+
+def _operands(seed=0, m=160, k=200, n=136, g=4):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return jax.random.normal(ks[0], (m, k)), jax.random.normal(ks[1], (g, k, n)) / np.sqrt(k), jax.random.normal(ks[2], (m, n))
+
+
+def _np_rows_quantized(a: np.ndarray, sizes, quantize_rows) -> np.ndarray:
+  """a's rows dequantised in blocks along rows that restart at every group (the wgrad contraction)."""
+  out = np.zeros_like(a, np.float64)
+  start = 0
+  for s in sizes:
+    if s:
+      out[start : start + s] = quantize_rows(a[start : start + s])
+    start += s
+  return out
+
+
+def _np_grouped(sizes, fill, shape):
+  out = np.zeros(shape)
+  start = 0
+  for g, s in enumerate(sizes):
+    fill(out, g, slice(start, start + s))
+    start += s
+  return out
+
+
+def _references(fmt, x, w, dy, sizes):
+  """y, dx, dw from the NumPy-dequantised operands (float64): what the quantised GEMMs must equal up to
+  fp32 accumulation, since products of e4m3 values are exact and the scales only rescale blocks."""
+  x, w, dy = (np.asarray(a, np.float32) for a in (x, w, dy))
+  if fmt == "mxfp8":
+    xk = np_mx(x)[0]
+    wk = np.swapaxes(np_mx(np.swapaxes(w, 1, 2))[0], 1, 2)
+    dyn = np_mx(dy)[0]
+    wn = np_mx(w)[0]
+    rows = lambda a: np_mx(a.T)[0].T  # noqa: E731
+  else:
+    xk = np_blockwise(x, (1, 128))[0]
+    wk = wn = np_blockwise(w, (128, 128))[0]
+    dyn = np_blockwise(dy, (1, 128))[0]
+    rows = lambda a: np_blockwise(a.T, (1, 128))[0].T  # noqa: E731
+  xr, dyr = _np_rows_quantized(x, sizes, rows), _np_rows_quantized(dy, sizes, rows)
+  m, n, k = x.shape[0], w.shape[2], w.shape[1]
+
+  def fill_y(out, g, r):
+    out[r] = xk[r] @ wk[g]
+
+  def fill_dx(out, g, r):
+    out[r] = dyn[r] @ wn[g].T
+
+  def fill_dw(out, g, r):
+    out[g] = xr[r].T @ dyr[r]
+
+  return _np_grouped(sizes, fill_y, (m, n)), _np_grouped(sizes, fill_dx, (m, k)), _np_grouped(sizes, fill_dw, w.shape)
+
+
+def _run(f, x, w, dy, sizes):
+  y, pullback = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
+  return (y, *pullback(dy))
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_blockwise"])
+@pytest.mark.parametrize("case", SIZES)
+def test_quantized_grouped_gemm_forward_dgrad_wgrad(fmt, case):
+  """Two bounds. (1) Exactness of the scaled GEMM: every output equals the product of the NumPy-dequantised
+  operands (quantised along each GEMM's own contraction: K forward, N for dgrad, rows per group for wgrad)
+  to fp32 accumulation accuracy, rel 1e-5: a wrong scale, block or group boundary is off by far more.
+  (2) Against the unquantised float32 product, relative Frobenius error < 0.06: e4m3 keeps 3 mantissa
+  bits, so each element is off by at most 2^-4 relatively (MX's clamp at 448 can reach 1/8 on a block's
+  largest elements); for random operands the relative errors are roughly uniform, RMS ~2^-4/sqrt(3)/sqrt(2)
+  per operand, ~0.035 for a product of two, which 0.06 covers with margin at these sizes."""
+  sizes_list = SIZES[case]
+  sizes = jnp.array(sizes_list, jnp.int32)
+  x, w, dy = _operands()
+  valid = sum(sizes_list)
+  dy = dy.at[valid:].set(0.0)
+  y, dx, dw = _run(quant.quantized_gmm(fmt, "xla"), x, w, dy, sizes)
+  want_y, want_dx, want_dw = _references(fmt, x, w, dy, sizes_list)
+  for got, want in ((y[:valid], want_y[:valid]), (dx[:valid], want_dx[:valid]), (dw, want_dw)):
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert _rel(got, want) < 1e-5
+  ref_y, ref_pullback = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+  ref_dx, ref_dw = ref_pullback(dy)
+  for got, want in ((y[:valid], ref_y[:valid]), (dx[:valid], ref_dx[:valid]), (dw, ref_dw)):
+    assert _rel(got, want) < 0.06
+  # straight-through: the gradients are those of the unquantised product up to that error, not zero
+  assert _rel(dw, ref_dw) > 1e-3 and float(jnp.abs(dx[:valid]).sum()) > 0
+
+
+def test_mxfp8_on_another_backend_uses_its_vjp_and_agrees():
+  x, w, dy = _operands(seed=3)
+  sizes = jnp.array([70, 0, 57, 33], jnp.int32)
+  via_xla = _run(quant.quantized_gmm("mxfp8", "xla"), x, w, dy, sizes)
+  generic = mxfp8.make_gmm(*quant._kernels_from_vjp(jax.lax.ragged_dot))
+  via_vjp = _run(generic, x, w, dy, sizes)
+  for a, b in zip(via_xla, via_vjp):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode():
+  """The Hopper kernels themselves (fp8 wgmma, in-kernel scales, ragged row stores, per-group wgrad),
+  run by Pallas' Mosaic GPU interpreter on CPU, against the jnp blockwise reference."""
+  plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  x, w, dy = _operands(seed=4, m=150, k=200, n=136)
+  sizes = jnp.array([60, 0, 81, 4], jnp.int32)  # 145 rows: 5 padding rows, a group of 4, one empty
+  kernels = fp8_blockwise.MosaicKernels(interpret=plgpu.InterpretGPUParams())
+  got = _run(fp8_blockwise.make_gmm(kernels), x, w, dy, sizes)
+  want = _run(quant.quantized_gmm("fp8_blockwise", "xla"), x, w, dy, sizes)
+  for a, b in zip((got[0][:145], got[1][:145], got[2]), (want[0][:145], want[1][:145], want[2])):
+    assert _rel(a, b) < 1e-5
+
+
+def test_registry_and_config_errors(tiny_config):
+  from MaxText.errors import UserError
+
+  assert quant.CHOICES == ("", "mxfp8", "fp8_blockwise")
+  assert quant.quantized_gmm("", "xla") is gmm.get_gmm("xla")
+  with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+    quant.quantized_gmm("int4", "xla")
+  with pytest.raises(UserError, match="fp8_blockwise runs its own kernels: moe_gmm_backend=mosaic .Hopper. or xla"):
+    tiny_config("quantization=fp8_blockwise", "moe_gmm_backend=te")
+  with pytest.raises(UserError, match="quantization=mxfp8 needs contiguous groups"):
+    tiny_config("quantization=mxfp8", "moe_gmm_backend=padded", "moe_dispatch=capacity", "capacity_factor=2.0")
+  with pytest.raises(UserError, match="quantization"):
+    tiny_config("quantization=fp4")
+  cpu = jax.devices()[0]
+  assert "emulated" in quant.describe("mxfp8", "xla", cpu)
+  assert "in the kernel" in quant.describe("fp8_blockwise", "mosaic", cpu)
+
+
+# ---- training ----
+def _train(cfg, steps, devices=None):
+  from MaxText.data import SyntheticData
+  from MaxText.sharding import make_mesh
+  from MaxText.train_step import Trainer
+
+  trainer = Trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:devices]))
+  data = SyntheticData(cfg.data, trainer.global_batch, cfg.train.max_target_length, cfg.model.vocab_size)
+  state, step = trainer.init_state(), trainer.jit_step()
+  losses = []
+  for i in range(steps):
+    state, metrics = step(state, trainer.device_batch(data.batch(i)))
+    losses.append(metrics["loss"])
+  return np.array([float(v) for v in losses])
+
+
+def _compare(tiny_config, steps, *overrides, devices=None):
+  runs = {q: _train(tiny_config(f"steps={steps}", f"quantization={q}", *overrides), steps, devices) for q in quant.CHOICES}
+  window = max(10, steps // 10)
+  report = {}
+  for q in ("mxfp8", "fp8_blockwise"):
+    report[q] = {
+        "final": abs(runs[q][-window:].mean() / runs[""][-window:].mean() - 1),
+        "mean": abs(runs[q].mean() / runs[""].mean() - 1),
+    }
+  print("relative loss gaps", {q: {k: round(float(v), 5) for k, v in r.items()} for q, r in report.items()},
+        "last-window losses", {q or "off": round(float(r[-window:].mean()), 4) for q, r in runs.items()}, "first", round(float(runs[""][0]), 4))
+  return runs, report
+
+
+def test_quantized_training_follows_unquantized(tiny_config):
+  """CI-sized (compiling the step dominates): the tiny recipe cut to one dense and one MoE layer, no MTP,
+  no remat, batch 8 x 32 tokens on one device, 80 steps; losses within 2% (last 10 steps, and all)."""
+  small = ("per_device_batch_size=8", "max_target_length=32", "mtp_num_layers=0", "remat_policy=none", "base_num_decoder_layers=2")
+  runs, report = _compare(tiny_config, 80, *small, devices=1)
+  assert runs[""][-10:].mean() < 0.8 * runs[""][:5].mean()  # it learned something
+  for q, r in report.items():
+    assert r["final"] < 0.02 and r["mean"] < 0.02, (q, r)
+
+
+@pytest.mark.skipif(not os.environ.get("MAXTEXT_QUANT_CONVERGENCE"), reason="300 steps x 3 runs: set MAXTEXT_QUANT_CONVERGENCE=1")
+def test_tiny_recipe_300_steps_within_two_percent(tiny_config):
+  """The tiny recipe as it is (128 sequences of 64 tokens a step), on one device: the same math as on 8
+  (tests/test_train.py), without 8 virtual devices' collectives contending for 2 CPU cores."""
+  runs, report = _compare(tiny_config, 300, "per_device_batch_size=128", devices=1)
+  for q, r in report.items():
+    assert r["final"] < 0.02 and r["mean"] < 0.02, (q, r)
+
+
+# ---- GPU lowering ----
+def test_fp8_blockwise_kernels_compile_for_h200():
+  """Forward, dgrad and wgrad of fp8_blockwise compile for a compile-only H200 (Mosaic GPU lowering checks
+  the fp8 wgmma operand layouts, shared memory and TMA shapes) at DeepSeek-V3's gate/up shape. (Widths
+  and row counts that are not tile multiples run in the interpreter test above.)"""
+  repo = Path(__file__).resolve().parents[1]
+  site = Path(os.environ.get("MAXTEXT_GPU_AOT_SITE", repo / ".venv" / "gpu-aot"))
+  if not (site / "jax_plugins").is_dir():
+    pytest.skip(f"CUDA plugin not installed in {site}")
+  env = {**os.environ, "PYTHONPATH": f"{site}:{repo}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  script = repo / "tests" / "compile_only" / "lower_fp8_for_gpu.py"
+  proc = subprocess.run([sys.executable, str(script), "fp8_blockwise", "4096x7168x4096x8"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  for shape, result in json.loads(lines[-1].removeprefix("RESULT ")).items():
+    assert result == {"device_kind": "NVIDIA H200", "mosaic_kernels": 3, "fp8_operands": True}, shape
