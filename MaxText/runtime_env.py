@@ -168,6 +168,16 @@ def _backend_started() -> bool:
   return bool(bridge is not None and getattr(bridge, "_backends", None))
 
 
+def _merged(xla_flags: str) -> str:
+  """XLA_FLAGS with each flag once, at its last position, holding its last value (how XLA reads them)."""
+  merged: dict[str, str] = {}
+  for tok in xla_flags.split():
+    name = tok.lstrip("-").split("=", 1)[0]
+    merged.pop(name, None)
+    merged[name] = tok
+  return " ".join(merged.values())
+
+
 def apply(train_cfg) -> dict:
   """Validates the configured flags and environment and sets them in os.environ; JAX must not have started.
 
@@ -181,7 +191,7 @@ def apply(train_cfg) -> dict:
     merged[name] = tok
   xla = " ".join(merged.values())
   changes = dict(env)
-  if xla != os.environ.get("XLA_FLAGS", ""):
+  if xla != _merged(os.environ.get("XLA_FLAGS", "")):  # the same flags, repeated or reordered, are no change
     changes["XLA_FLAGS"] = xla
   changes = {k: v for k, v in changes.items() if os.environ.get(k) != v}
   if changes and _backend_started():

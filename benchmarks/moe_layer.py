@@ -341,7 +341,7 @@ def markdown(results: dict) -> str:
   lines += ["", "Each stage as its own jitted function on the same inputs (ms; fwd / fwd+bwd):", "",
             "| backend | pad | " + " | ".join((*STAGES, "layer")) + " | timer |", "|---" * (len(STAGES) + 4) + "|"]
   for run in results["runs"]:
-    st = run["stages"]
+    st = run.get("stages", {"error": "not run (--no-stages)"})
     if "error" in st or "error" in run:
       lines.append(f"| {run['backend']} | {run['pad']} | failed: {st.get('error') or run.get('error')} |")
       continue
@@ -372,6 +372,7 @@ def main() -> int:
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--check-tokens", type=int, default=1024)
   ap.add_argument("--small", action="store_true", help="CPU dry run: tiny shapes, xla backend, 2 iterations")
+  ap.add_argument("--no-stages", action="store_true", help="skip the per-stage CUPTI timings (the profiler trace alone)")
   args = ap.parse_args()
   shape = SMALL if args.small else FULL
   backends = ["xla"] if args.small else [args.backend] + (["xla"] if args.compare_xla and args.backend != "xla" else [])
@@ -385,7 +386,7 @@ def main() -> int:
   for backend, pad in timed:  # every profiler trace first, then CUPTI: one CUPTI client at a time
     results["runs"].append(guarded(lambda: measure_trace(shape, backend, pad, iters), {"backend": backend, "pad": pad}, args.small))
     (args.out / "moe_layer.json").write_text(json.dumps(results, indent=1))
-  for run in results["runs"]:
+  for run in [] if args.no_stages else results["runs"]:
     run["stages"] = guarded(lambda: measure_stages(shape, run["backend"], run["pad"], iters), {}, args.small)
     (args.out / "moe_layer.json").write_text(json.dumps(results, indent=1))
   (args.out / "moe_layer.json").write_text(json.dumps(results, indent=1))

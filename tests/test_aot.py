@@ -42,7 +42,10 @@ def test_optimized_671b_shallow_fits_128_h200(tmp_path):
   assert m["temporaries"] > 0 and m["peak"] <= m["budget"]
   assert m["host_offloaded"] > 0  # offload.yml keeps layer inputs and attention projections in host memory
   f = r["flops_per_step_per_gpu"]
-  assert f["traced"] >= f["model"] > 0  # remat recomputes: the GPU executes more than the model FLOPs
+  # The traced count misses Pallas kernels without a cost estimate (the fp8 Mosaic GEMMs): it is a floor
+  # then, and only with every kernel counted does remat's recompute make it exceed the model FLOPs.
+  assert f["traced"] > 0 and f["model"] > 0
+  assert r["uncounted_kernels"] > 0 or f["traced"] >= f["model"]
   assert r["precision_for_peak"] == "fp8" and r["lower_bound_step_s"]["step"] > 0
   assert "fits" in proc.stdout.splitlines()[-1]
 

@@ -14,6 +14,7 @@ for CPU and as the reference.
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe.gmm import vjp
 from MaxText.quant import fp8_mosaic, fp8_reference
 from MaxText.quant.formats import FP8_BLOCK, Quantized, activation_quantize, blockwise_quantize, weight_quantize
 from MaxText.quant.groups import align_groups, to_aligned
@@ -73,7 +74,7 @@ def make_gmm(kernels):
   """The fp8_blockwise grouped GEMM over `kernels` (an object with fwd, dgrad, wgrad), with its VJP."""
 
   def forward(x, w, group_sizes):
-    return kernels.fwd(activation_quantize(x, 1), weight_quantize(w), group_sizes, x.dtype)
+    return vjp.typed(kernels.fwd(activation_quantize(x, 1), weight_quantize(w), group_sizes, x.dtype), x, w, group_sizes)
 
   def gmm_fwd(x, w, group_sizes):
     return forward(x, w, group_sizes), (x, w, group_sizes)
@@ -86,6 +87,8 @@ def make_gmm(kernels):
     xq = blockwise_quantize(to_aligned(x, aligned), {0: FP8_BLOCK})
     dyq = blockwise_quantize(to_aligned(dy, aligned), {0: FP8_BLOCK})
     dw = kernels.wgrad(xq, dyq, aligned.group_sizes, w.dtype)
+    # Typed for shard_map (expert parallelism): see gmm/vjp.py.
+    dx, dw = vjp.typed(dx, dy, w, group_sizes, like=x), vjp.typed(dw, x, dy, group_sizes, like=w)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
   gmm = jax.custom_vjp(forward)

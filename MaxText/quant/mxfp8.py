@@ -13,8 +13,8 @@ jax.nn.scaled_dot_general is a dense, not grouped, product; see quant/__init__.p
 """
 
 import jax
-import jax.numpy as jnp
 
+from MaxText.moe.gmm.vjp import grouped_gemm_with_vjp
 from MaxText.quant.formats import MX_BLOCK, fake_quantize, mx_quantize
 from MaxText.quant.groups import align_groups, from_aligned, to_aligned
 
@@ -25,22 +25,17 @@ def _rows_quantized(a: jax.Array, aligned) -> jax.Array:
 
 
 def make_gmm(fwd, dgrad, wgrad):
-  """The MXFP8 grouped GEMM over a bf16 backend's three kernels, with its VJP."""
+  """The MXFP8 grouped GEMM over a bf16 backend's three kernels, with its VJP (gmm/vjp.py's rule, which
+  also types the results for shard_map)."""
 
-  def forward(x, w, group_sizes):
+  def quantized_fwd(x, w, group_sizes):
     return fwd(fake_quantize(x, mx_quantize, 1), fake_quantize(w, mx_quantize, 1), group_sizes)
 
-  def gmm_fwd(x, w, group_sizes):
-    return forward(x, w, group_sizes), (x, w, group_sizes)
+  def quantized_dgrad(dy, w, group_sizes):
+    return dgrad(fake_quantize(dy, mx_quantize, 1), fake_quantize(w, mx_quantize, 2), group_sizes)
 
-  def gmm_bwd(res, dy):
-    x, w, group_sizes = res
-    dy = dy.astype(x.dtype)
-    dx = dgrad(fake_quantize(dy, mx_quantize, 1), fake_quantize(w, mx_quantize, 2), group_sizes).astype(x.dtype)
+  def quantized_wgrad(x, dy, group_sizes):
     aligned = align_groups(group_sizes, x.shape[0], MX_BLOCK)
-    dw = wgrad(_rows_quantized(x, aligned), _rows_quantized(dy, aligned), group_sizes).astype(w.dtype)
-    return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+    return wgrad(_rows_quantized(x, aligned), _rows_quantized(dy, aligned), group_sizes)
 
-  gmm = jax.custom_vjp(forward)
-  gmm.defvjp(gmm_fwd, gmm_bwd)
-  return gmm
+  return grouped_gemm_with_vjp(quantized_fwd, quantized_dgrad, quantized_wgrad)

@@ -22,7 +22,7 @@ def _vma(a) -> frozenset:
   return frozenset(manual.varying) if manual is not None else frozenset()
 
 
-def _typed(result, *inputs, like=None):
+def typed(result, *inputs, like=None):
   """Gives a kernel's result the shard_map type its math has, then that of `like`.
 
   A Pallas kernel's output carries no varying-axes type, though it varies wherever its inputs do; and
@@ -46,16 +46,16 @@ def _typed(result, *inputs, like=None):
 def grouped_gemm_with_vjp(fwd: Callable, dgrad: Callable, wgrad: Callable) -> Callable:
   @jax.custom_vjp
   def gmm(x, w, group_sizes):
-    return _typed(fwd(x, w, group_sizes), x, w, group_sizes)
+    return typed(fwd(x, w, group_sizes), x, w, group_sizes)
 
   def gmm_fwd(x, w, group_sizes):
-    return _typed(fwd(x, w, group_sizes), x, w, group_sizes), (x, w, group_sizes)
+    return typed(fwd(x, w, group_sizes), x, w, group_sizes), (x, w, group_sizes)
 
   def gmm_bwd(residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _typed(dgrad(dy, w, group_sizes).astype(x.dtype), dy, w, group_sizes, like=x)
-    dw = _typed(wgrad(x, dy, group_sizes).astype(w.dtype), x, dy, group_sizes, like=w)
+    dx = typed(dgrad(dy, w, group_sizes).astype(x.dtype), dy, w, group_sizes, like=x)
+    dw = typed(wgrad(x, dy, group_sizes).astype(w.dtype), x, dy, group_sizes, like=w)
     # group_sizes is integer: its cotangent is the float0 zero.
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
