@@ -138,4 +138,16 @@ def test_apply_refuses_once_jax_has_started(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   with pytest.raises(UserError, match="JAX has already started, so XLA_FLAGS would not take effect"):
     runtime_env.apply(_Train(xla_flag_presets="latency_hiding"))
-  assert runtime_env.apply(_Train()) == {"xla_flags": os.environ["XLA_FLAGS"], "env": {}, "notes": []}  # nothing to change: fine
+  before = os.environ["XLA_FLAGS"]
+  # nothing to change (the environment's flags, each once, as XLA reads them): fine, and the environment is left as it was
+  assert runtime_env.apply(_Train()) == {"xla_flags": runtime_env._merged(before), "env": {}, "notes": []}
+  assert os.environ["XLA_FLAGS"] == before
+
+
+def test_apply_treats_repeated_environment_flags_as_no_change(monkeypatch):
+  import jax
+
+  jax.devices()
+  # make test prepends its device count to any XLA_FLAGS CI already set, so the same flag can come twice
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8  --xla_force_host_platform_device_count=8")
+  assert runtime_env.apply(_Train())["xla_flags"] == "--xla_force_host_platform_device_count=8"
