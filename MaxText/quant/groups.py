@@ -27,7 +27,7 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> Aligned:
   aligned_sizes = -(-sizes // align) * align
   aligned_starts = jnp.cumsum(aligned_sizes) - aligned_sizes
   r = jnp.arange(rows, dtype=jnp.int32)
-  gid = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # == groups for rows past the total
+  gid = jnp.searchsorted(ends, r, side="right", method="scan_unrolled").astype(jnp.int32)  # == groups for rows past the total
   safe = jnp.minimum(gid, g - 1)
   dest = jnp.where(gid < g, aligned_starts[safe] + r - (ends[safe] - sizes[safe]), padded_rows)
   return Aligned(dest, aligned_sizes, padded_rows)
@@ -46,5 +46,5 @@ def from_aligned(xa: jax.Array, a: Aligned) -> jax.Array:
 def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
   """[rows] int32 group of each row, clamped to the last group for rows past the total (never read)."""
   ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  gid = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+  gid = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right", method="scan_unrolled")
   return jnp.minimum(gid, group_sizes.shape[0] - 1).astype(jnp.int32)

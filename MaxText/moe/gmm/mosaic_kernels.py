@@ -52,7 +52,8 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int):
   tiles_per_group = jnp.where(sizes > 0, (ends - 1) // block_m - first_block + 1, 0)
   tile_ends = jnp.cumsum(tiles_per_group)
   t = jnp.arange(slots, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), g - 1).astype(jnp.int32)
+  # Unrolled: the default binary search is a loop, a kernel launch per level on a GPU.
+  group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right", method="scan_unrolled"), g - 1).astype(jnp.int32)
   block = first_block[group] + t - (tile_ends[group] - tiles_per_group[group])
   lo = jnp.maximum(starts[group], block * block_m)
   hi = jnp.minimum(ends[group], (block + 1) * block_m)
