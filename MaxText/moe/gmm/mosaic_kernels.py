@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 HOPPER_SMS = 132  # H100 SXM and H200: what compile-only devices (no core_count) are assumed to have
+INTERPRET_SMS = 3  # in the interpreter: enough to share tiles between programs, few enough to run quickly
 
 
 def num_sms() -> int:
@@ -85,8 +86,11 @@ def _store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: 
       size //= 2
 
 
-def ragged_dot(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, transpose_rhs: bool = False):
-  """lhs [M, K] grouped by rows, rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N]."""
+def ragged_dot(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, transpose_rhs: bool = False, interpret=False):
+  """lhs [M, K] grouped by rows, rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N].
+
+  `interpret`: False, or plgpu.InterpretGPUParams to run in Pallas' GPU interpreter (on CPU, with a few
+  simulated SMs)."""
   m, k = lhs.shape
   g = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -137,14 +141,15 @@ def ragged_dot(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: in
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-      grid=(num_sms(),),
+      grid=(INTERPRET_SMS if interpret else num_sms(),),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret,
   )
   return kernel(group, block, first, owned, lhs, rhs)
 
 
-def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int):
+def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, interpret=False):
   """x [M, K], dy [M, N], rows grouped -> dw [G, K, N] with dw[g] = x_g^T dy_g (contracting rows)."""
   rows, kdim = x.shape
   n = dy.shape[1]
@@ -223,9 +228,10 @@ def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((g, kdim, n), x.dtype),
-      grid=(num_sms(),),
+      grid=(INTERPRET_SMS if interpret else num_sms(),),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret,
   )
   # A group's row slice is `rows` long from its first block and may run past the end of x; the
   # pipeline only reads the group's own blocks, so the overhang is never touched.
