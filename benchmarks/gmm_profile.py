@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grouped_gemm import M, SHAPES, group_sizes, machine  # noqa: E402
+from grouped_gemm import M, SHAPES, jax_inputs, machine  # noqa: E402
 
 
 def tile_counts(sizes: np.ndarray, block_m: int, block_k: int) -> dict:
@@ -52,19 +52,13 @@ def main() -> int:
   args.out.mkdir(parents=True, exist_ok=True)
 
   import jax
-  import jax.numpy as jnp
 
   from MaxText.moe.gmm import mosaic
 
   results = {"machine": machine(), "rows_M": M, "cases": []}
   lines = ["| shape | G | sizes | kernels | total ms | TFLOP/s | kernels (ms) | dead row-tile slots |", "|---|---|---|---|---|---|---|---|"]
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), [(4, "balanced"), (32, "balanced"), (32, "skewed")]):
-    sizes_np = group_sizes(M, g, kind)
-    keys = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(keys[0], (M, k), jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    dy = jax.random.normal(keys[2], (M, n), jnp.bfloat16)
-    sizes = jnp.asarray(sizes_np)
+    sizes_np, x, w, dy, sizes = jax_inputs(k, n, g, kind)
     tiles = mosaic.tiles_for("fwd", k, n)
     case = {"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]), "runs": {}}
     variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in mosaic.KERNELS}

@@ -45,19 +45,20 @@ def group_sizes(m: int, g: int, kind: str) -> np.ndarray:
 
 # ---- timing ----
 def jax_time_ms(fn, args, iters: int) -> tuple[float, str]:
-  """Median device time per call: CUPTI kernel time when available, else host wall time per call."""
+  """Median device time per call: CUPTI kernel time on a GPU when available, else host wall time per call."""
   import jax
 
   jax.block_until_ready(fn(*args))  # compile + warm-up
   jax.block_until_ready(fn(*args))
-  try:
-    from jax.experimental.mosaic.gpu import profiler
+  if jax.devices()[0].platform == "gpu":  # moe_layer.py --small times on the CPU
+    try:
+      from jax.experimental.mosaic.gpu import profiler
 
-    _, times = profiler.measure(fn, iterations=iters)(*args)
-    if times:
-      return statistics.median(times), "cupti"
-  except Exception as e:  # CUPTI can be unavailable in containers; say so in the results
-    print(f"CUPTI unavailable ({type(e).__name__}: {e}); timing on the host", flush=True)
+      _, times = profiler.measure(fn, iterations=iters)(*args)
+      if times:
+        return statistics.median(times), "cupti"
+    except Exception as e:  # CUPTI can be unavailable in containers; say so in the results
+      print(f"CUPTI unavailable ({type(e).__name__}: {e}); timing on the host", flush=True)
   samples = []
   for _ in range(iters):
     start = time.perf_counter()
@@ -84,18 +85,26 @@ def torch_time_ms(fn, iters: int) -> float:
 
 
 # ---- JAX rows ----
-def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ...] = (), fp8_tiles: tuple[str, ...] = ()) -> list[dict]:
+def jax_inputs(k: int, n: int, g: int, kind: str) -> tuple:
+  """One case's bf16 inputs from key 0 (gmm_profile.py's too): (host group sizes, x, w, dy, device group sizes)."""
   import jax
   import jax.numpy as jnp
-
-  from MaxText.moe import gmm as registry
 
   sizes_np = group_sizes(M, g, kind)
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (M, k), jnp.bfloat16)
   w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
   dy = jax.random.normal(keys[2], (M, n), jnp.bfloat16)
-  sizes = jnp.asarray(sizes_np)
+  return sizes_np, x, w, dy, jnp.asarray(sizes_np)
+
+
+def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ...] = (), fp8_tiles: tuple[str, ...] = ()) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+
+  from MaxText.moe import gmm as registry
+
+  sizes_np, x, w, dy, sizes = jax_inputs(k, n, g, kind)
   flops = 2.0 * M * k * n
   rows = []
 

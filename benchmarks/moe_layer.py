@@ -40,6 +40,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # grouped_gemm, for its timer
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -52,6 +53,7 @@ from MaxText.moe import permute, router  # noqa: E402
 from MaxText.moe.gmm import get_gmm  # noqa: E402
 from MaxText.moe.layer import moe, moe_specs, routed_experts  # noqa: E402
 from MaxText.sharding import Sharder  # noqa: E402
+from grouped_gemm import jax_time_ms  # noqa: E402
 
 STAGES = ("router", "permute", "gmm", "combine", "shared_experts")
 SCOPE = re.compile(r"\b(" + "|".join(STAGES) + r")\b")
@@ -225,27 +227,6 @@ def trace_breakdown(compiled, args, iters: int) -> dict:
 
 
 # ---- timing: each stage as its own jitted function ----
-def time_ms(fn, args, iters: int) -> tuple[float, str]:
-  """Median device time per call: CUPTI kernel time when available, else host wall time per call."""
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  if jax.devices()[0].platform == "gpu":
-    try:
-      from jax.experimental.mosaic.gpu import profiler
-
-      _, times = profiler.measure(fn, iterations=iters)(*args)
-      if times:
-        return statistics.median(times), "cupti"
-    except Exception as e:  # CUPTI can be unavailable in containers; say so in the results
-      print(f"CUPTI unavailable ({type(e).__name__}: {e}); timing on the host", flush=True)
-  samples = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(samples), "host"
-
-
 def stage_fns(cfg, p, x, bias) -> dict:
   """{stage: (fwd, fwd_bwd, args)} on the inputs the layer itself would give each stage."""
   gmm = get_gmm(cfg.moe_gmm_backend)
@@ -301,11 +282,11 @@ def measure_stages(shape: dict, backend: str, pad: int, iters: int) -> dict:
   fwd, fwd_bwd = layer_fns(cfg)
   stages = {}
   for stage, (f, f_bwd, args) in stage_fns(cfg, p, x, bias).items():
-    fwd_ms, timer = time_ms(jax.jit(f), args, iters)
-    both_ms, _ = time_ms(jax.jit(f_bwd), args, iters)
+    fwd_ms, timer = jax_time_ms(jax.jit(f), args, iters)
+    both_ms, _ = jax_time_ms(jax.jit(f_bwd), args, iters)
     stages[stage] = {"fwd": fwd_ms, "fwd+bwd": both_ms, "timer": timer}
-  layer_fwd, timer = time_ms(jax.jit(fwd), (p, x, bias), iters)
-  layer_both, _ = time_ms(jax.jit(fwd_bwd), (p, x, bias, cot), iters)
+  layer_fwd, timer = jax_time_ms(jax.jit(fwd), (p, x, bias), iters)
+  layer_both, _ = jax_time_ms(jax.jit(fwd_bwd), (p, x, bias, cot), iters)
   stages["layer"] = {"fwd": layer_fwd, "fwd+bwd": layer_both, "timer": timer}
   print(backend, pad, "stages", stages, flush=True)
   return stages

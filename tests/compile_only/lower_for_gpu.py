@@ -22,6 +22,15 @@ from MaxText.sharding import MESH_AXES, mesh_shape
 from MaxText.train_step import Trainer
 
 
+def compile_train_step(cfg, mesh) -> tuple:
+  """The train step at the recipe's global batch, compiled for `mesh`: (HLO text, memory analysis)."""
+  trainer = Trainer(cfg, mesh)
+  b, s = trainer.global_batch, cfg.train.max_target_length
+  batch = Batch(jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.float32))
+  compiled = trainer.jit_step().lower(trainer.abstract_state(), batch).compile()
+  return compiled.as_text(), compiled.memory_analysis()
+
+
 def train_step(recipe: str, overrides: list[str]) -> dict:
   cfg = load_config(recipe, overrides)
   devices = compile_only.devices("h200", 8)
@@ -29,12 +38,7 @@ def train_step(recipe: str, overrides: list[str]) -> dict:
   import numpy as np
 
   mesh = Mesh(np.asarray(devices).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
-  trainer = Trainer(cfg, mesh)
-  b, s = trainer.global_batch, cfg.train.max_target_length
-  batch = Batch(jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.float32))
-  compiled = trainer.jit_step().lower(trainer.abstract_state(), batch).compile()
-  text = compiled.as_text()
-  mem = compiled.memory_analysis()
+  text, mem = compile_train_step(cfg, mesh)
   return {
       "device_kind": devices[0].device_kind,
       "mesh": shape,
@@ -57,12 +61,7 @@ def memory(recipe: str, overrides: list[str]) -> dict:
   cfg = load_config(recipe, ["ici_fsdp_parallelism=1", *overrides])
   devices = compile_only.devices("h200", 1)
   mesh = Mesh(np.asarray(devices).reshape([1] * len(MESH_AXES)), MESH_AXES)
-  trainer = Trainer(cfg, mesh)
-  b, s = trainer.global_batch, cfg.train.max_target_length
-  batch = Batch(jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.float32))
-  compiled = trainer.jit_step().lower(trainer.abstract_state(), batch).compile()
-  text = compiled.as_text()
-  mem = compiled.memory_analysis()
+  text, mem = compile_train_step(cfg, mesh)
   return {
       "device_kind": devices[0].device_kind,
       "argument_bytes": mem.argument_size_in_bytes,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_gmm import group_sizes_for, poison_freed_memory, rel  # noqa: E402
+from check_gmm import CASES, inputs, outcome, rel, run  # noqa: E402
 
 from MaxText.quant import fp8_blockwise, formats, groups, quantized_gmm  # noqa: E402
 
@@ -65,20 +65,20 @@ def host_products(a_fwd, w_fwd, a_bwd, w_bwd, x_rows, dy_rows, sizes):
   return y, dx, dw
 
 
-def run(fn, x, w, sizes, dy):
-  @jax.jit
-  def go(x, w, sizes, dy):
-    y, pullback = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
-    return (y, *pullback(dy))
-
-  poison_freed_memory(4 * (x.size + w.size + dy.size) * 2)
-  return go(x, w, sizes, dy)
-
-
 def compare(outs, refs, valid, bound) -> dict:
   names = ("y", "dx", "dw")
   errs = {k: rel(np.asarray(o.astype(jnp.float32))[: valid if k != "dw" else None], r[: valid if k != "dw" else None]) for k, o, r in zip(names, outs, refs)}
   return {"rel_err": errs, "pass": max(errs.values()) < bound}
+
+
+def check(fmt, fn, x, w, dy, sizes_np, sizes, unquantised) -> dict:
+  """fmt's outputs on one case: finite, and within the bounds of the dequantised and the unquantised products."""
+  valid = int(sizes_np.sum())
+  outs = run(fn, x, w, sizes, dy)
+  finite = all(bool(jnp.all(jnp.isfinite(o[:valid] if o.ndim == 2 else o))) for o in outs)
+  exact = compare(outs, host_products(*dequantized_operands(fmt, x, w, dy, sizes), sizes_np), valid, EXACT_BOUND)
+  fmt_err = compare(outs, unquantised, valid, FORMAT_BOUND)
+  return {"finite": finite, "exact": exact, "format": fmt_err, "pass": finite and exact["pass"] and fmt_err["pass"]}
 
 
 def main() -> int:
@@ -95,40 +95,18 @@ def main() -> int:
     cases = [("small", 300, 256, 136, 4, "odd_sizes"), ("small", 256, 200, 256, 3, "one_group")]
   else:
     impls = {"fp8_blockwise": quantized_gmm("fp8_blockwise", "mosaic"), "mxfp8": quantized_gmm("mxfp8", "mosaic")}
-    cases = [
-        ("gate_up", 8192, 7168, 4096, 8, "balanced"),
-        ("gate_up", 8192, 7168, 4096, 32, "skewed"),
-        ("down", 8192, 2048, 7168, 8, "skewed"),
-        ("gate_up", 4096, 7168, 4096, 16, "empty_groups"),
-        ("gate_up", 4096, 7168, 4096, 8, "one_group"),
-        ("down", 3000, 2048, 7168, 8, "odd_sizes"),
-        ("unaligned", 2000, 1000, 600, 4, "odd_sizes"),
-    ]
+    cases = CASES
   dtype = jnp.float32 if args.cpu_dry_run else jnp.bfloat16
   results = {"seed": seed, "device": jax.devices()[0].device_kind, "exact_bound": EXACT_BOUND, "format_bound": FORMAT_BOUND, "cases": []}
   ok = True
   for label, m, k, n, g, kind in cases:
-    sizes_np = group_sizes_for(kind, m, g, rng)
-    sizes = jnp.asarray(sizes_np)
-    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 31))), 3)
-    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
-    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-    dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
-    valid = int(sizes_np.sum())
+    sizes_np, x, w, dy, sizes = inputs(m, k, n, g, kind, rng, dtype)
     plain = [np.asarray(a.astype(jnp.float32)) for a in (x, w, dy)]
     unquantised = host_products(plain[0], plain[1], plain[2], plain[1], plain[0], plain[2], sizes_np)
     entry = {"case": label, "m": m, "k": k, "n": n, "groups": g, "sizes": kind, "quant": {}}
     for fmt, fn in impls.items():
-      try:
-        outs = run(fn, x, w, sizes, dy)
-        finite = all(bool(jnp.all(jnp.isfinite(o[:valid] if o.ndim == 2 else o))) for o in outs)
-        exact = compare(outs, host_products(*dequantized_operands(fmt, x, w, dy, sizes), sizes_np), valid, EXACT_BOUND)
-        fmt_err = compare(outs, unquantised, valid, FORMAT_BOUND)
-        entry["quant"][fmt] = {"finite": finite, "exact": exact, "format": fmt_err, "pass": finite and exact["pass"] and fmt_err["pass"]}
-      except Exception as e:  # a path that cannot run a case fails it, with the reason
-        entry["quant"][fmt] = {"pass": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+      entry["quant"][fmt] = outcome(lambda: check(fmt, fn, x, w, dy, sizes_np, sizes, unquantised), label, kind, g, fmt)
       ok &= entry["quant"][fmt]["pass"]
-      print(label, kind, g, fmt, entry["quant"][fmt], flush=True)
     results["cases"].append(entry)
   results["all_pass"] = ok
   args.out.parent.mkdir(parents=True, exist_ok=True)

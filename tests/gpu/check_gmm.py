@@ -21,6 +21,16 @@ import numpy as np
 from MaxText.moe import gmm as registry
 
 BOUND = 1e-2
+# (label, M, K, N, G, group sizes): DeepSeek-V3 widths, then the edge cases (check_fp8_gmm.py's too).
+CASES = [
+    ("gate_up", 8192, 7168, 4096, 8, "balanced"),
+    ("gate_up", 8192, 7168, 4096, 32, "skewed"),
+    ("down", 8192, 2048, 7168, 8, "skewed"),
+    ("gate_up", 4096, 7168, 4096, 16, "empty_groups"),
+    ("gate_up", 4096, 7168, 4096, 8, "one_group"),
+    ("down", 3000, 2048, 7168, 8, "odd_sizes"),
+    ("unaligned", 2000, 1000, 600, 4, "odd_sizes"),
+]
 
 
 def group_sizes_for(kind: str, m: int, g: int, rng) -> np.ndarray:
@@ -41,6 +51,17 @@ def group_sizes_for(kind: str, m: int, g: int, rng) -> np.ndarray:
     sizes = rng.multinomial(m, np.full(g - 1, 1.0 / (g - 1)))
     sizes = np.insert(sizes, g // 2, 0)
   return sizes.astype(np.int32)
+
+
+def inputs(m: int, k: int, n: int, g: int, kind: str, rng, dtype=jnp.bfloat16) -> tuple:
+  """One case's random inputs from `rng` (check_fp8_gmm.py's too): (host group sizes, x, w, dy, device group sizes)."""
+  sizes_np = group_sizes_for(kind, m, g, rng)
+  sizes = jnp.asarray(sizes_np)
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 31))), 3)
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+  w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+  dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
+  return sizes_np, x, w, dy, sizes
 
 
 def rel(a, b) -> float:
@@ -75,14 +96,29 @@ def gmm_for(backend: str):
   return registry.get_gmm(backend)
 
 
-def check(name, fn, x, w, sizes, dy, ref):
+def run(fn, x, w, sizes, dy):
+  """fn's y, dx, dw (jitted) on device memory filled with NaN first (check_fp8_gmm.py's too)."""
   @jax.jit
-  def run(x, w, sizes, dy):
+  def go(x, w, sizes, dy):
     y, vjp = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
     return (y, *vjp(dy))
 
   poison_freed_memory(4 * (x.size + w.size + dy.size) * 2)
-  y, dx, dw = run(x, w, sizes, dy)
+  return go(x, w, sizes, dy)
+
+
+def outcome(fn, *where) -> dict:
+  """fn()'s result, printed after `where`; a path that cannot run a case fails it, with the reason (check_fp8_gmm.py's too)."""
+  try:
+    result = fn()
+  except Exception as e:
+    result = {"pass": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+  print(*where, result, flush=True)
+  return result
+
+
+def check(name, fn, x, w, sizes, dy, ref):
+  y, dx, dw = run(fn, x, w, sizes, dy)
   finite = all(bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))) for a in (y, dx, dw))
   errs = {"y": rel(y, ref[0]), "dx": rel(dx, ref[1]), "dw": rel(dw, ref[2])}
   return {"finite": finite, "rel_err": errs, "pass": finite and max(errs.values()) < BOUND}
@@ -96,32 +132,15 @@ def main(out_path: str) -> int:
     from MaxText.moe.gmm import mosaic
 
     backends += [f"mosaic:{k}" for k in mosaic.KERNELS if k != mosaic.DEFAULT_KERNELS]
-  cases = [
-      ("gate_up", 8192, 7168, 4096, 8, "balanced"),
-      ("gate_up", 8192, 7168, 4096, 32, "skewed"),
-      ("down", 8192, 2048, 7168, 8, "skewed"),
-      ("gate_up", 4096, 7168, 4096, 16, "empty_groups"),
-      ("gate_up", 4096, 7168, 4096, 8, "one_group"),
-      ("down", 3000, 2048, 7168, 8, "odd_sizes"),
-      ("unaligned", 2000, 1000, 600, 4, "odd_sizes"),
-  ]
   results = {"seed": seed, "device": jax.devices()[0].device_kind, "backends": backends, "bound": BOUND, "cases": []}
   ok = True
-  for label, m, k, n, g, kind in cases:
-    sizes = jnp.asarray(group_sizes_for(kind, m, g, rng))
-    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 31))), 3)
-    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
-    ref = reference(x, w, dy, np.asarray(sizes))
+  for label, m, k, n, g, kind in CASES:
+    sizes_np, x, w, dy, sizes = inputs(m, k, n, g, kind, rng)
+    ref = reference(x, w, dy, sizes_np)
     entry = {"case": label, "m": m, "k": k, "n": n, "groups": g, "sizes": kind, "backends": {}}
     for b in backends:
-      try:
-        entry["backends"][b] = check(b, gmm_for(b), x, w, sizes, dy, ref)
-      except Exception as e:  # a backend that cannot run a case fails it, with the reason
-        entry["backends"][b] = {"pass": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+      entry["backends"][b] = outcome(lambda: check(b, gmm_for(b), x, w, sizes, dy, ref), label, kind, g, b)
       ok &= entry["backends"][b]["pass"]
-      print(label, kind, g, b, entry["backends"][b], flush=True)
     results["cases"].append(entry)
   results["all_pass"] = ok
   with open(out_path, "w") as f:
