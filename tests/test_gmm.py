@@ -153,10 +153,10 @@ def test_custom_vjp_inside_shard_map_types_results_and_sums_weight_gradients():
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad", "wgrad_ws"])
 def test_our_mosaic_kernels_in_the_gpu_interpreter(kernel):
   """Our Hopper kernels run by Pallas' Mosaic GPU interpreter on CPU, with its race detector on (TMA copies
-  and the overlapped output store have their own clocks): group boundaries inside row blocks, an empty
+  and the overlapped output store have their own clocks; a barrier waited out of phase raises): group boundaries inside row blocks, an empty
   group and rows past the total, against float32. Unwritten memory is NaN in the interpreter, so a row the
   kernel should write and does not shows."""
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
@@ -181,8 +181,9 @@ def test_our_mosaic_kernels_in_the_gpu_interpreter(kernel):
   elif kernel == "dgrad":
     got = mosaic_kernels.ragged_dot(dy, w, jnp.asarray(sizes), transpose_rhs=True, interpret=interpret, **tiles)[:total]
     want = np.concatenate([f32(dy)[a:b] @ f32(w)[g].T for g, (a, b) in enumerate(zip(starts, ends))])
-  else:
-    got = mosaic_kernels.ragged_wgrad(x, dy, jnp.asarray(sizes), interpret=interpret, **tiles)
+  else:  # wgrad_ws: 12 tiles on 3 programs, so the load ring carries on across tiles
+    wgrad = mosaic_kernels.ragged_wgrad if kernel == "wgrad" else mosaic_kernels.ragged_wgrad_ws
+    got = wgrad(x, dy, jnp.asarray(sizes), interpret=interpret, **tiles)
     want = np.stack([f32(x)[a:b].T @ f32(dy)[a:b] for a, b in zip(starts, ends)])
     assert not np.asarray(got[1]).any(), "an empty group's weight gradient is zero"
   assert not gpu_callbacks.get_races().races_found

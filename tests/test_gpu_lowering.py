@@ -39,7 +39,7 @@ def test_train_step_compiles_for_eight_h200s_with_fsdp_and_tensor_parallelism():
 
 def test_mosaic_grouped_gemm_lowers_for_h200():
   result = lower("mosaic_gmm")
-  assert result == {"device_kind": "NVIDIA H200", "mosaic_custom_call": True, "ours_fwd_bwd_mosaic_kernels": 3}
+  assert result == {"device_kind": "NVIDIA H200", "mosaic_custom_call": True, "ours_fwd_bwd_mosaic_kernels": 3, "ours_ws_fwd_bwd_mosaic_kernels": 3}
 
 
 def test_ragged_all_to_all_expert_parallelism_compiles_for_eight_h200s():

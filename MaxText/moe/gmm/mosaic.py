@@ -28,7 +28,9 @@ from MaxText.moe.gmm.vjp import grouped_gemm_with_vjp
 
 TILES_FILE = Path(__file__).with_name("mosaic_tiles.json")
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
-DEFAULT_TILES = {"fwd": (128, 128, 64, 5, 4), "dgrad": (128, 128, 64, 5, 4), "wgrad": (128, 128, 64, 4, 1)}
+# wgrad_ws: block_m is each consumer warpgroup's half of a (2 * block_m, block_n) tile; 3 stages of 48 KiB and
+# two 32 KiB output buffers fill the 227 KiB of shared memory.
+DEFAULT_TILES = {"fwd": (128, 128, 64, 5, 4), "dgrad": (128, 128, 64, 5, 4), "wgrad": (128, 128, 64, 4, 1), "wgrad_ws": (128, 128, 64, 3, 1)}
 TILE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
 PAD = 128  # widths are padded to this multiple (a multiple of every block size used)
 
@@ -80,9 +82,21 @@ def _our_kernels():
   return mosaic_kernels.ragged_dot, mosaic_kernels.ragged_wgrad
 
 
+def _our_ws_kernels():
+  from MaxText.moe.gmm import mosaic_kernels
+
+  return mosaic_kernels.ragged_dot, mosaic_kernels.ragged_wgrad_ws
+
+
 # "jax": JAX's ragged_dot_mgpu / transposed_ragged_dot_mgpu; "ours": mosaic_kernels.py (no dead tiles,
-# boundary masks only where a group boundary falls inside a block).
-KERNELS = {"jax": _jax_kernels, "ours": _our_kernels}
+# boundary masks only where a group boundary falls inside a block); "ours_ws": ours with the
+# warp-specialized weight gradient (loads run ahead across output tiles).
+KERNELS = {"jax": _jax_kernels, "ours": _our_kernels, "ours_ws": _our_ws_kernels}
+
+
+def wgrad_tile_kernel(kernels: str) -> str:
+  """The tile-table name of the kernel set's weight-gradient kernel."""
+  return "wgrad_ws" if kernels == "ours_ws" else "wgrad"
 
 
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
@@ -115,7 +129,9 @@ def kernel_functions(kernels: str):
     _, transposed = load()
     k, n = x.shape[1], dy.shape[1]
     xp, dyp = _pad(x, 1), _pad(dy, 1)
-    tiles = tiles_for("wgrad", xp.shape[1], dyp.shape[1], group_sizes.shape[0])
+    tiles = tiles_for(wgrad_tile_kernel(kernels), xp.shape[1], dyp.shape[1], group_sizes.shape[0])
+    if kernels == "ours_ws" and xp.shape[1] % (2 * tiles["block_m"]):
+      tiles["block_m"] = PAD // 2  # the padded width is a multiple of 128 = 2 x 64
     dw = transposed(xp, dyp, group_sizes=group_sizes.astype(jnp.int32), **tiles)
     return dw[:, :k, :n]
 

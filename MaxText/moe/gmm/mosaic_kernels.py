@@ -156,14 +156,8 @@ def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int
   g = group_sizes.shape[0]
   if kdim % block_m or n % block_n:
     raise ValueError(f"K={kdim} and N={n} must be multiples of block_m={block_m} and block_n={block_n}")
-  sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
-  block_starts = starts // block_k * block_k
-  num_blocks = jnp.where(sizes > 0, (ends + block_k - 1) // block_k - starts // block_k, 0).astype(jnp.int32)
   # First/last row block of a group need masking only when the boundary is inside the block.
-  head = (starts % block_k).astype(jnp.int32)  # rows of the previous group at the start of block 0
-  tail = ((ends - 1) % block_k).astype(jnp.int32)  # last row of this group within its last block
+  sizes, block_starts, num_blocks, head, tail = _row_bookkeeping(group_sizes, block_k)
 
   swizzle = plgpu.find_swizzle(block_k * jnp.dtype(x.dtype).itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x.dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -235,4 +229,162 @@ def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int
   )
   # A group's row slice is `rows` long from its first block and may run past the end of x; the
   # pipeline only reads the group's own blocks, so the overhang is never touched.
-  return kernel(sizes, block_starts.astype(jnp.int32), num_blocks, head, tail, x, dy)
+  return kernel(sizes, block_starts, num_blocks, head, tail, x, dy)
+
+
+def _row_bookkeeping(group_sizes, block_k: int):
+  """Per group: first row block start, row blocks touched, rows of the previous group in the first block,
+  and the group's last row within its last block (the wgrad kernels mask only where these cut a block)."""
+  sizes = group_sizes.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  block_starts = (starts // block_k * block_k).astype(jnp.int32)
+  num_blocks = jnp.where(sizes > 0, (ends + block_k - 1) // block_k - starts // block_k, 0).astype(jnp.int32)
+  head = (starts % block_k).astype(jnp.int32)
+  tail = ((ends - 1) % block_k).astype(jnp.int32)
+  return sizes, block_starts, num_blocks, head, tail
+
+
+MEMORY_REGISTERS, COMPUTE_REGISTERS = 40, 232  # per thread: 2 x 232 + 40 warpgroups' worth fit the 64K register file
+
+
+def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, interpret=False):
+  """ragged_wgrad, warp-specialized: one producer warpgroup issues every TMA load of the SM's whole tile
+  sequence through a ring of `max_concurrent_steps` buffers, and two consumer warpgroups each own half of a
+  (2 * block_m, block_n) output tile.
+
+  With 32 groups a group's K loop is only ~16 blocks deep, so the non-specialized kernel spends a
+  pipeline fill per output tile, serialized with the tile's epilogue. Here the producer runs ahead across
+  tile boundaries (the ring's step counter continues from tile to tile), so the next tile's operands land
+  while the consumers store the previous tile.
+  """
+  rows, kdim = x.shape
+  n = dy.shape[1]
+  g = group_sizes.shape[0]
+  cta_m = 2 * block_m
+  if kdim % cta_m or n % block_n:
+    raise ValueError(f"K={kdim} and N={n} must be multiples of 2 * block_m={cta_m} and block_n={block_n}")
+  stages = max_concurrent_steps
+  sizes, block_starts, num_blocks, head, tail = _row_bookkeeping(group_sizes, block_k)
+  itemsize = jnp.dtype(x.dtype).itemsize
+  swizzle = plgpu.find_swizzle(block_k * itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+  grid_m, grid_n = kdim // cta_m, n // block_n
+  tiles = (g, grid_m * grid_n)
+
+  def tile_of(loop_info):
+    gi = loop_info.index[0]
+    mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, grid_block_n)
+    return gi, mi, ni
+
+  def body(sizes_gmem, block_starts_gmem, num_blocks_gmem, head_gmem, tail_gmem, x_gmem, dy_gmem, o_gmem):
+    @functools.partial(
+        pl.run_scoped,
+        x_smem=plgpu.SMEM((stages, block_k, cta_m), x.dtype, transforms=transforms),
+        dy_smem=plgpu.SMEM((stages, block_k, block_n), dy.dtype, transforms=transforms),
+        o_smem=plgpu.SMEM((2, block_m, block_n), x.dtype, transforms=transforms),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the x and dy copies of a step
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumer warpgroups
+        collective_axes="wg",
+    )
+    def _scope(x_smem, dy_smem, o_smem, loaded, consumed):
+      wg = lax.axis_index("wg")
+
+      def producer():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
+        def issued(loop_info, carry):
+          gi, mi, ni = tile_of(loop_info)
+          nb, first_row = num_blocks_gmem[gi], block_starts_gmem[gi]
+
+          @pl.loop(0, nb)
+          def _(kk):
+            step = carry + kk
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)  # the ring slot was filled before: wait until both consumers are done with it
+            def _():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            row = pl.multiple_of(first_row + kk * block_k, block_k)
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row, block_k), pl.ds(mi * cta_m, cta_m)], x_smem.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(dy_gmem.at[pl.ds(row, block_k), pl.ds(ni * block_n, block_n)], dy_smem.at[slot], loaded.at[slot])
+
+          return carry + nb
+
+        # Take the last releases, so that no barrier is left mid-phase when the kernel ends.
+        @pl.loop(jnp.maximum(issued - stages, 0), issued)
+        def _(step):
+          plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+      def consumer():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        cols = pl.ds(pl.multiple_of(wg * block_m, block_m), block_m)  # this warpgroup's half of the tile's rows
+
+        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
+        def _(loop_info, carry):
+          gi, mi, ni = tile_of(loop_info)
+          nb, head_rows, tail_row = num_blocks_gmem[gi], head_gmem[gi], tail_gmem[gi]
+
+          def acc_scope(acc_ref):
+            @pl.loop(0, nb)
+            def _(kk):
+              step = carry + kk
+              slot = lax.rem(step, stages)
+              plgpu.barrier_wait(loaded.at[slot])
+              x_half = x_smem.at[slot].at[:, cols]
+
+              def mask_rows(keep):
+                # Rows of a neighbouring group share this block: zero them in this warpgroup's half (where,
+                # not a product, so that non-finite values there cannot leak in).
+                idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (block_k, block_m), 0), plgpu.Layout.WGMMA)
+                x_half[...] = jnp.where(keep(idx), x_half[...], jnp.zeros((), x_half.dtype))
+                plgpu.commit_smem()
+
+              @pl.when((kk == 0) & (head_rows != 0))
+              def _():
+                mask_rows(lambda i: i >= head_rows)
+
+              @pl.when((kk == nb - 1) & (tail_row != block_k - 1))
+              def _():
+                mask_rows(lambda i: i <= tail_row)
+
+              plgpu.wgmma(acc_ref, x_half.transpose((1, 0)), dy_smem.at[slot])
+              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+
+              @pl.when(kk > 0)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+            plgpu.wgmma_wait(0)
+
+            @pl.when(nb > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(carry + nb - 1, stages)])
+
+            return acc_ref[...]
+
+          acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
+          out = o_smem.at[wg]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
+          out[...] = acc.astype(out.dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(mi * cta_m + wg * block_m, block_m), pl.ds(ni * block_n, block_n)])
+          return carry + nb
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      lax.cond(wg == 2, producer, consumer)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((g, kdim, n), x.dtype),
+      grid=(INTERPRET_SMS if interpret else num_sms(),),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret,
+  )
+  return kernel(sizes, block_starts, num_blocks, head, tail, x, dy)
