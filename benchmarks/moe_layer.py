@@ -170,7 +170,7 @@ def _hlo_op(event) -> str | None:
 
 
 def _iterations(events: list, iters: int) -> list[list]:
-  """Split (start_ns, end_ns, stage) events into `iters` runs at the iters-1 widest idle gaps
+  """Split (start_ns, end_ns, stage, op) events into `iters` runs at the iters-1 widest idle gaps
   (the host waits for each run, then sleeps, before starting the next)."""
   events = sorted(events, key=lambda e: e[0])
   if iters == 1 or len(events) < iters:
@@ -212,7 +212,7 @@ def trace_breakdown(compiled, args, iters: int) -> dict:
         last_end = event.start_ns + event.duration_ns
         stage = stages.get(op, "other") if op else "unattributed"
         unmatched.update([op] if op and stage == "other" else [])
-        events.append((event.start_ns, last_end, stage))
+        events.append((event.start_ns, last_end, stage, op))
   if not events:
     raise RuntimeError(f"no device events of {module} in the trace (planes: {[p.name for p in data.planes]})")
   runs = _iterations(events, iters)
@@ -220,6 +220,16 @@ def trace_breakdown(compiled, args, iters: int) -> dict:
   for stage in (*STAGES, "other", "unattributed"):
     out[stage] = statistics.median(sum(e[1] - e[0] for e in run if e[2] == stage) / 1e6 for run in runs)
   out["total"] = statistics.median(sum(e[1] - e[0] for e in run) / 1e6 for run in runs)
+  # Where each stage's time goes (the sorts, searches and gathers inside "permute", say): its longest ops.
+  per_op = defaultdict(list)
+  for run in runs:
+    totals = defaultdict(float)
+    for start, end, stage, op in run:
+      totals[(stage, op)] += (end - start) / 1e6
+    for key, ms in totals.items():
+      per_op[key].append(ms)
+  top = sorted(((stage, op, statistics.median(v)) for (stage, op), v in per_op.items()), key=lambda t: -t[2])
+  out["top_ops"] = {stage: [[op, round(ms, 4)] for st, op, ms in top if st == stage][:8] for stage in (*STAGES, "other")}
   out["runs_found"] = len(runs)
   out["plane"] = planes[0].name
   out["other_ops"] = sorted(unmatched)[:20]

@@ -23,5 +23,8 @@ def test_moe_layer_benchmark_dry_run(tmp_path):
       assert trace[stage] > 0, (mode, stage, trace)  # every scope found in the trace
     assert trace["total"] >= sum(trace[s] for s in ("router", "permute", "gmm", "combine", "shared_experts"))
     assert trace["layer_over_gmm"] == trace["total"] / trace["gmm"]
+    top = trace["top_ops"]["permute"]  # the stage's longest ops, longest first, within the stage's time
+    assert top and all(ms > 0 for _, ms in top) and [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True)
+    assert top[0][1] <= trace["permute"] + 1e-4  # each op is part of its stage in every run
   assert set(run["stages"]) == {"router", "permute", "gmm", "combine", "shared_experts", "layer"}
   assert "| xla | 4 | fwd+bwd |" in (tmp_path / "moe_layer.md").read_text()
