@@ -217,14 +217,15 @@ def tune(out_dir: Path, iters: int, kernels: str, groups: int) -> dict:
   sizes = jnp.asarray(group_sizes(M, groups, "balanced"))
   fwd_space = [(128, 128, 64, st, gb) for st, gb in itertools.product((4, 5, 6), (2, 4, 8, 16))]
   wgrad_space = [(128, 128, bk, st, gb) for bk, st, gb in itertools.product((64, 128), (2, 3, 4), (1, 4, 8))]
-  if kernels == "ours_ws":  # two consumer warpgroups share a (2 * block_m, block_n) tile: fewer, larger stages fit
+  if kernels in mosaic.WARP_SPECIALIZED:  # two consumer warpgroups share each tile: fewer, larger stages fit
+    fwd_space = [(128, 128, 64, st, gb) for st, gb in itertools.product((2, 3), (2, 4, 8, 16))]
     wgrad_space = [(bm, bn, 64, st, gb) for (bm, bn), st, gb in itertools.product(((128, 128), (64, 256)), (2, 3), (1, 4, 8))]
   table = json.loads(mosaic.TILES_FILE.read_text()) if mosaic.TILES_FILE.exists() else {"tiles": {}}
   measured = table.setdefault("tflops_by_tiles", {})
   for (k, n), kernel in itertools.product(SHAPES.values(), ("fwd", "dgrad", "wgrad")):
     # Widths as the kernel sees them: fwd contracts k into n; dgrad contracts n into k; wgrad (k, n).
-    name = mosaic.wgrad_tile_kernel(kernels) if kernel == "wgrad" else kernel
-    key = (f"{name}:{k}x{n}" if kernel != "dgrad" else f"dgrad:{n}x{k}") + f":g{groups}"
+    name = mosaic.tile_kernel(kernels, kernel)
+    key = (f"{name}:{k}x{n}" if kernel != "dgrad" else f"{name}:{n}x{k}") + f":g{groups}"
     x = jax.random.normal(jax.random.key(1), (M, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (groups, k, n), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(3), (M, n), jnp.bfloat16)
@@ -232,7 +233,8 @@ def tune(out_dir: Path, iters: int, kernels: str, groups: int) -> dict:
     for tiles in wgrad_space if kernel == "wgrad" else fwd_space:
       kw = dict(zip(mosaic.TILE_NAMES, tiles))
       out_width = n if kernel in ("fwd", "wgrad") else k
-      if out_width % (kw["block_n"] * (kw["grid_block_n"] if kernel != "wgrad" else 1)):
+      cta_n = kw["block_n"] * (2 if kernels in mosaic.WARP_SPECIALIZED and kernel != "wgrad" else 1)
+      if out_width % (cta_n * (kw["grid_block_n"] if kernel != "wgrad" else 1)):
         continue
       if kernel == "fwd":
         fn, args = (lambda x, w, kw=kw: ragged(x, w, group_sizes=sizes, **kw)), (x, w)

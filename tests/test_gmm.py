@@ -153,12 +153,12 @@ def test_custom_vjp_inside_shard_map_types_results_and_sums_weight_gradients():
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad", "wgrad_ws"])
+@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad", "fwd_ws", "dgrad_ws", "wgrad_ws"])
 def test_our_mosaic_kernels_in_the_gpu_interpreter(kernel):
   """Our Hopper kernels run by Pallas' Mosaic GPU interpreter on CPU, with its race detector on (TMA copies
-  and the overlapped output store have their own clocks; a barrier waited out of phase raises): group boundaries inside row blocks, an empty
-  group and rows past the total, against float32. Unwritten memory is NaN in the interpreter, so a row the
-  kernel should write and does not shows."""
+  and the overlapped output store have their own clocks; a barrier waited out of phase raises): group
+  boundaries inside row blocks, an empty group and rows past the total, against float32. Unwritten memory
+  is NaN in the interpreter, so a row the kernel should write and does not shows."""
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -175,13 +175,17 @@ def test_our_mosaic_kernels_in_the_gpu_interpreter(kernel):
   f32 = lambda a: np.asarray(a, np.float32)
   total, ends = int(sizes.sum()), np.cumsum(sizes)
   starts = ends - sizes
-  if kernel == "fwd":
-    got = mosaic_kernels.ragged_dot(x, w, jnp.asarray(sizes), interpret=interpret, **tiles)[:total]
+  # The warp-specialized kernels (3 programs, a dozen tiles: the load ring carries on across tiles) split
+  # tiles in two, so their split width is 128 here.
+  ragged = mosaic_kernels.ragged_dot_ws if kernel.endswith("_ws") else mosaic_kernels.ragged_dot
+  if kernel.startswith("fwd"):
+    w = w[:, :, :128] if kernel.endswith("_ws") else w
+    got = ragged(x, w, jnp.asarray(sizes), interpret=interpret, **tiles)[:total]
     want = np.concatenate([f32(x)[a:b] @ f32(w)[g] for g, (a, b) in enumerate(zip(starts, ends))])
-  elif kernel == "dgrad":
-    got = mosaic_kernels.ragged_dot(dy, w, jnp.asarray(sizes), transpose_rhs=True, interpret=interpret, **tiles)[:total]
+  elif kernel.startswith("dgrad"):
+    got = ragged(dy, w, jnp.asarray(sizes), transpose_rhs=True, interpret=interpret, **tiles)[:total]
     want = np.concatenate([f32(dy)[a:b] @ f32(w)[g].T for g, (a, b) in enumerate(zip(starts, ends))])
-  else:  # wgrad_ws: 12 tiles on 3 programs, so the load ring carries on across tiles
+  else:
     wgrad = mosaic_kernels.ragged_wgrad if kernel == "wgrad" else mosaic_kernels.ragged_wgrad_ws
     got = wgrad(x, dy, jnp.asarray(sizes), interpret=interpret, **tiles)
     want = np.stack([f32(x)[a:b].T @ f32(dy)[a:b] for a, b in zip(starts, ends)])

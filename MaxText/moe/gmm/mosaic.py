@@ -28,9 +28,13 @@ from MaxText.moe.gmm.vjp import grouped_gemm_with_vjp
 
 TILES_FILE = Path(__file__).with_name("mosaic_tiles.json")
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
-# wgrad_ws: block_m is each consumer warpgroup's half of a (2 * block_m, block_n) tile; 3 stages of 48 KiB and
-# two 32 KiB output buffers fill the 227 KiB of shared memory.
-DEFAULT_TILES = {"fwd": (128, 128, 64, 5, 4), "dgrad": (128, 128, 64, 5, 4), "wgrad": (128, 128, 64, 4, 1), "wgrad_ws": (128, 128, 64, 3, 1)}
+# The warp-specialized kernels ("_ws") split a tile between two consumer warpgroups: block_n (fwd, dgrad) or
+# block_m (wgrad) is each one's half. 3 stages of 48 KiB and two 32 KiB output buffers fill the 227 KiB of
+# shared memory. Untuned on hardware.
+DEFAULT_TILES = {
+    "fwd": (128, 128, 64, 5, 4), "dgrad": (128, 128, 64, 5, 4), "wgrad": (128, 128, 64, 4, 1),
+    "fwd_ws": (128, 128, 64, 3, 4), "dgrad_ws": (128, 128, 64, 3, 4), "wgrad_ws": (128, 128, 64, 3, 1),
+}
 TILE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
 PAD = 128  # widths are padded to this multiple (a multiple of every block size used)
 
@@ -85,18 +89,28 @@ def _our_kernels():
 def _our_ws_kernels():
   from MaxText.moe.gmm import mosaic_kernels
 
-  return mosaic_kernels.ragged_dot, mosaic_kernels.ragged_wgrad_ws
+  return mosaic_kernels.ragged_dot_ws, mosaic_kernels.ragged_wgrad_ws
 
 
 # "jax": JAX's ragged_dot_mgpu / transposed_ragged_dot_mgpu; "ours": mosaic_kernels.py (no dead tiles,
-# boundary masks only where a group boundary falls inside a block); "ours_ws": ours with the
-# warp-specialized weight gradient (loads run ahead across output tiles).
+# boundary masks only where a group boundary falls inside a block); "ours_ws": ours, warp-specialized (a
+# producer warpgroup's loads run ahead across output tiles; two consumer warpgroups share each tile).
 KERNELS = {"jax": _jax_kernels, "ours": _our_kernels, "ours_ws": _our_ws_kernels}
+WARP_SPECIALIZED = {"ours_ws"}
 
 
-def wgrad_tile_kernel(kernels: str) -> str:
-  """The tile-table name of the kernel set's weight-gradient kernel."""
-  return "wgrad_ws" if kernels == "ours_ws" else "wgrad"
+def tile_kernel(kernels: str, kernel: str) -> str:
+  """The tile-table name of `kernel` ("fwd", "dgrad", "wgrad") in the named kernel set."""
+  return f"{kernel}_ws" if kernels in WARP_SPECIALIZED else kernel
+
+
+def _tiles(kernels: str, kernel: str, k: int, n: int, groups: int) -> dict:
+  tiles = tiles_for(tile_kernel(kernels, kernel), k, n, groups)
+  if kernels in WARP_SPECIALIZED:  # a tile dimension is split between two warpgroups: halve it if the width needs
+    split, width = ("block_m", k) if kernel == "wgrad" else ("block_n", n)
+    if width % (2 * tiles[split]):
+      tiles[split] = PAD // 2  # widths are padded to 128 = 2 x 64
+  return tiles
 
 
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
@@ -113,7 +127,7 @@ def kernel_functions(kernels: str):
     _check_dtype(x, w)
     m, n = x.shape[0], w.shape[2]
     xp, wp = _pad(x, 1), _pad(_pad(w, 1), 2)
-    tiles = tiles_for("fwd", wp.shape[1], wp.shape[2], w.shape[0])
+    tiles = _tiles(kernels, "fwd", wp.shape[1], wp.shape[2], w.shape[0])
     y = ragged(_pad_rows(xp, tiles["block_m"]), wp, group_sizes=group_sizes.astype(jnp.int32), **tiles)
     return y[:m, :n]
 
@@ -121,7 +135,7 @@ def kernel_functions(kernels: str):
     ragged, _ = load()
     m, k = dy.shape[0], w.shape[1]
     dyp, wp = _pad(dy, 1), _pad(_pad(w, 1), 2)
-    tiles = tiles_for("dgrad", wp.shape[2], wp.shape[1], w.shape[0])
+    tiles = _tiles(kernels, "dgrad", wp.shape[2], wp.shape[1], w.shape[0])
     dx = ragged(_pad_rows(dyp, tiles["block_m"]), wp, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=True, **tiles)
     return dx[:m, :k]
 
@@ -129,9 +143,7 @@ def kernel_functions(kernels: str):
     _, transposed = load()
     k, n = x.shape[1], dy.shape[1]
     xp, dyp = _pad(x, 1), _pad(dy, 1)
-    tiles = tiles_for(wgrad_tile_kernel(kernels), xp.shape[1], dyp.shape[1], group_sizes.shape[0])
-    if kernels == "ours_ws" and xp.shape[1] % (2 * tiles["block_m"]):
-      tiles["block_m"] = PAD // 2  # the padded width is a multiple of 128 = 2 x 64
+    tiles = _tiles(kernels, "wgrad", xp.shape[1], dyp.shape[1], group_sizes.shape[0])
     dw = transposed(xp, dyp, group_sizes=group_sizes.astype(jnp.int32), **tiles)
     return dw[:, :k, :n]
 

@@ -248,15 +248,173 @@ def _row_bookkeeping(group_sizes, block_k: int):
 MEMORY_REGISTERS, COMPUTE_REGISTERS = 40, 232  # per thread: 2 x 232 + 40 warpgroups' worth fit the 64K register file
 
 
+def _warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, acc_shape, stages: int, loaded, consumed):
+  """The loop nest of a warp-specialized persistent kernel, run by warpgroups 0 and 1 (consumers) and 2
+  (producer) of a program.
+
+  The program's output tiles come from `plgpu.nd_loop(tiles)`; tile t takes num_steps(info) K steps. The
+  producer issues every step's copies (`load(info, kk, slot, barrier)`) into a ring of `stages` buffers,
+  numbering steps continuously across tiles, so it fills the next tile's buffers while the consumers
+  finish and store the current one. Each consumer accumulates its part of the tile
+  (`mma(info, kk, slot, acc_ref, wg)`), keeping one wgmma in flight and releasing a slot once the wgmma
+  that read it is done, then stores it (`store(info, acc, wg)`).
+  """
+  wg = lax.axis_index("wg")
+
+  def producer():
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
+    def issued(loop_info, carry):
+      info = tile_info(loop_info)
+      nb = num_steps(info)
+
+      @pl.loop(0, nb)
+      def _(kk):
+        step = carry + kk
+        slot = lax.rem(step, stages)
+
+        @pl.when(step >= stages)  # the slot was filled before: wait until both consumers are done with it
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+
+        load(info, kk, slot, loaded.at[slot])
+
+      return carry + nb
+
+    # Take the last releases, so that no barrier is left mid-phase when the kernel ends.
+    @pl.loop(jnp.maximum(issued - stages, 0), issued)
+    def _(step):
+      plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+  def consumer():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+    @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
+    def _(loop_info, carry):
+      info = tile_info(loop_info)
+      nb = num_steps(info)
+
+      def acc_scope(acc_ref):
+        @pl.loop(0, nb)
+        def _(kk):
+          step = carry + kk
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(loaded.at[slot])
+          mma(info, kk, slot, acc_ref, wg)
+          plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+
+          @pl.when(kk > 0)
+          def _():
+            plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+        plgpu.wgmma_wait(0)
+
+        @pl.when(nb > 0)
+        def _():
+          plgpu.barrier_arrive(consumed.at[lax.rem(carry + nb - 1, stages)])
+
+        return acc_ref[...]
+
+      store(info, pl.run_scoped(acc_scope, plgpu.ACC(acc_shape)), wg)
+      return carry + nb
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  lax.cond(wg == 2, producer, consumer)
+
+
+def _ws_kernel(body, out_type, interpret):
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(INTERPRET_SMS if interpret else num_sms(),),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret,
+  )
+
+
+def _swizzled(block_k: int, dtype):
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(block_k * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def ragged_dot_ws(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, transpose_rhs: bool = False, interpret=False):
+  """ragged_dot, warp-specialized (see _warp_specialized): (block_m, 2 * block_n) output tiles, each
+  consumer warpgroup computing and storing one (block_m, block_n) half; rows as in ragged_dot's tile
+  schedule (dead slots take no steps)."""
+  m, k = lhs.shape
+  g = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  cta_n = 2 * block_n
+  if k % block_k or n % cta_n:
+    raise ValueError(f"K={k} and N={n} must be multiples of block_k={block_k} and 2 * block_n={cta_n}")
+  if block_m > m:
+    raise ValueError(f"block_m={block_m} exceeds the {m} rows")
+  stages = max_concurrent_steps
+  group, block, first, owned = tile_schedule(group_sizes, m, block_m)
+  grid_m, grid_n = group.shape[0], n // cta_n
+  transforms = _swizzled(block_k, lhs.dtype)
+  b_block = (cta_n, block_k) if transpose_rhs else (block_k, cta_n)
+
+  def body(group_gmem, block_gmem, first_gmem, owned_gmem, lhs_gmem, rhs_gmem, o_gmem):
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((stages, block_m, block_k), lhs.dtype, transforms=transforms),
+        b_smem=plgpu.SMEM((stages, *b_block), rhs.dtype, transforms=transforms),
+        o_smem=plgpu.SMEM((2, block_m, block_n), lhs.dtype),  # untiled: partial tiles are stored row ranges
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+    def _scope(a_smem, b_smem, o_smem, loaded, consumed):
+      def tile_info(loop_info):
+        mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, grid_block_n)
+        return mi, ni, owned_gmem[mi], block_gmem[mi]
+
+      def num_steps(info):
+        return jnp.where(info[2] > 0, k // block_k, 0)
+
+      def load(info, kk, slot, barrier):
+        mi, ni, _, row_block = info
+        cols, ks = pl.ds(ni * cta_n, cta_n), pl.ds(kk * block_k, block_k)
+        plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row_block * block_m, block_m), ks], a_smem.at[slot], barrier)
+        w = rhs_gmem.at[group_gmem[mi]]
+        plgpu.copy_gmem_to_smem(w.at[cols, ks] if transpose_rhs else w.at[ks, cols], b_smem.at[slot], barrier)
+
+      def mma(info, kk, slot, acc_ref, wg):
+        half = pl.ds(pl.multiple_of(wg * block_n, block_n), block_n)
+        b = b_smem.at[slot].at[half, :].transpose((1, 0)) if transpose_rhs else b_smem.at[slot].at[:, half]
+        plgpu.wgmma(acc_ref, a_smem.at[slot], b)
+
+      def store(info, acc, wg):
+        mi, ni, count, row_block = info
+
+        @pl.when(count > 0)
+        def _():
+          out = o_smem.at[wg]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
+          out[...] = acc.astype(out.dtype)
+          plgpu.commit_smem()
+          _store_rows(out, o_gmem, row_block * block_m, first_gmem[mi], count, ni * cta_n + wg * block_n, block_m, block_n)
+
+      _warp_specialized(tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
+                        acc_shape=(block_m, block_n), stages=stages, loaded=loaded, consumed=consumed)
+
+  return _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), interpret)(group, block, first, owned, lhs, rhs)
+
+
 def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, interpret=False):
-  """ragged_wgrad, warp-specialized: one producer warpgroup issues every TMA load of the SM's whole tile
-  sequence through a ring of `max_concurrent_steps` buffers, and two consumer warpgroups each own half of a
-  (2 * block_m, block_n) output tile.
+  """ragged_wgrad, warp-specialized (see _warp_specialized): (2 * block_m, block_n) output tiles, each
+  consumer warpgroup owning one (block_m, block_n) half.
 
   With 32 groups a group's K loop is only ~16 blocks deep, so the non-specialized kernel spends a
-  pipeline fill per output tile, serialized with the tile's epilogue. Here the producer runs ahead across
-  tile boundaries (the ring's step counter continues from tile to tile), so the next tile's operands land
-  while the consumers store the previous tile.
+  pipeline fill per output tile, serialized with the tile's epilogue; here the next tile's operands
+  land while the consumers store the previous tile.
   """
   rows, kdim = x.shape
   n = dy.shape[1]
@@ -266,16 +424,8 @@ def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: 
     raise ValueError(f"K={kdim} and N={n} must be multiples of 2 * block_m={cta_m} and block_n={block_n}")
   stages = max_concurrent_steps
   sizes, block_starts, num_blocks, head, tail = _row_bookkeeping(group_sizes, block_k)
-  itemsize = jnp.dtype(x.dtype).itemsize
-  swizzle = plgpu.find_swizzle(block_k * itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+  transforms = _swizzled(block_k, x.dtype)
   grid_m, grid_n = kdim // cta_m, n // block_n
-  tiles = (g, grid_m * grid_n)
-
-  def tile_of(loop_info):
-    gi = loop_info.index[0]
-    mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, grid_block_n)
-    return gi, mi, ni
 
   def body(sizes_gmem, block_starts_gmem, num_blocks_gmem, head_gmem, tail_gmem, x_gmem, dy_gmem, o_gmem):
     @functools.partial(
@@ -283,108 +433,56 @@ def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: 
         x_smem=plgpu.SMEM((stages, block_k, cta_m), x.dtype, transforms=transforms),
         dy_smem=plgpu.SMEM((stages, block_k, block_n), dy.dtype, transforms=transforms),
         o_smem=plgpu.SMEM((2, block_m, block_n), x.dtype, transforms=transforms),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the x and dy copies of a step
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the two copies of a step
         consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumer warpgroups
         collective_axes="wg",
     )
     def _scope(x_smem, dy_smem, o_smem, loaded, consumed):
-      wg = lax.axis_index("wg")
+      def tile_info(loop_info):
+        gi = loop_info.index[0]
+        mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, grid_block_n)
+        return gi, mi, ni
 
-      def producer():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+      def num_steps(info):
+        return num_blocks_gmem[info[0]]
 
-        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
-        def issued(loop_info, carry):
-          gi, mi, ni = tile_of(loop_info)
-          nb, first_row = num_blocks_gmem[gi], block_starts_gmem[gi]
+      def load(info, kk, slot, barrier):
+        gi, mi, ni = info
+        row = pl.ds(pl.multiple_of(block_starts_gmem[gi] + kk * block_k, block_k), block_k)
+        plgpu.copy_gmem_to_smem(x_gmem.at[row, pl.ds(mi * cta_m, cta_m)], x_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(dy_gmem.at[row, pl.ds(ni * block_n, block_n)], dy_smem.at[slot], barrier)
 
-          @pl.loop(0, nb)
-          def _(kk):
-            step = carry + kk
-            slot = lax.rem(step, stages)
+      def mma(info, kk, slot, acc_ref, wg):
+        gi = info[0]
+        x_half = x_smem.at[slot].at[:, pl.ds(pl.multiple_of(wg * block_m, block_m), block_m)]
+        head_rows, tail_row, last = head_gmem[gi], tail_gmem[gi], num_blocks_gmem[gi] - 1
 
-            @pl.when(step >= stages)  # the ring slot was filled before: wait until both consumers are done with it
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            row = pl.multiple_of(first_row + kk * block_k, block_k)
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row, block_k), pl.ds(mi * cta_m, cta_m)], x_smem.at[slot], loaded.at[slot])
-            plgpu.copy_gmem_to_smem(dy_gmem.at[pl.ds(row, block_k), pl.ds(ni * block_n, block_n)], dy_smem.at[slot], loaded.at[slot])
-
-          return carry + nb
-
-        # Take the last releases, so that no barrier is left mid-phase when the kernel ends.
-        @pl.loop(jnp.maximum(issued - stages, 0), issued)
-        def _(step):
-          plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-      def consumer():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        cols = pl.ds(pl.multiple_of(wg * block_m, block_m), block_m)  # this warpgroup's half of the tile's rows
-
-        @plgpu.nd_loop(tiles, collective_axes="sm", init_carry=jnp.int32(0))
-        def _(loop_info, carry):
-          gi, mi, ni = tile_of(loop_info)
-          nb, head_rows, tail_row = num_blocks_gmem[gi], head_gmem[gi], tail_gmem[gi]
-
-          def acc_scope(acc_ref):
-            @pl.loop(0, nb)
-            def _(kk):
-              step = carry + kk
-              slot = lax.rem(step, stages)
-              plgpu.barrier_wait(loaded.at[slot])
-              x_half = x_smem.at[slot].at[:, cols]
-
-              def mask_rows(keep):
-                # Rows of a neighbouring group share this block: zero them in this warpgroup's half (where,
-                # not a product, so that non-finite values there cannot leak in).
-                idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (block_k, block_m), 0), plgpu.Layout.WGMMA)
-                x_half[...] = jnp.where(keep(idx), x_half[...], jnp.zeros((), x_half.dtype))
-                plgpu.commit_smem()
-
-              @pl.when((kk == 0) & (head_rows != 0))
-              def _():
-                mask_rows(lambda i: i >= head_rows)
-
-              @pl.when((kk == nb - 1) & (tail_row != block_k - 1))
-              def _():
-                mask_rows(lambda i: i <= tail_row)
-
-              plgpu.wgmma(acc_ref, x_half.transpose((1, 0)), dy_smem.at[slot])
-              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
-
-              @pl.when(kk > 0)
-              def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
-
-            plgpu.wgmma_wait(0)
-
-            @pl.when(nb > 0)
-            def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(carry + nb - 1, stages)])
-
-            return acc_ref[...]
-
-          acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
-          out = o_smem.at[wg]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
-          out[...] = acc.astype(out.dtype)
+        def mask_rows(keep):
+          # Rows of a neighbouring group share this block: zero them in this warpgroup's half (where, not
+          # a product, so that non-finite values there cannot leak in).
+          idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (block_k, block_m), 0), plgpu.Layout.WGMMA)
+          x_half[...] = jnp.where(keep(idx), x_half[...], jnp.zeros((), x_half.dtype))
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(mi * cta_m + wg * block_m, block_m), pl.ds(ni * block_n, block_n)])
-          return carry + nb
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        @pl.when((kk == 0) & (head_rows != 0))
+        def _():
+          mask_rows(lambda i: i >= head_rows)
 
-      lax.cond(wg == 2, producer, consumer)
+        @pl.when((kk == last) & (tail_row != block_k - 1))
+        def _():
+          mask_rows(lambda i: i <= tail_row)
 
-  kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((g, kdim, n), x.dtype),
-      grid=(INTERPRET_SMS if interpret else num_sms(),),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret,
-  )
-  return kernel(sizes, block_starts, num_blocks, head, tail, x, dy)
+        plgpu.wgmma(acc_ref, x_half.transpose((1, 0)), dy_smem.at[slot])
+
+      def store(info, acc, wg):
+        gi, mi, ni = info
+        out = o_smem.at[wg]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
+        out[...] = acc.astype(out.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(mi * cta_m + wg * block_m, block_m), pl.ds(ni * block_n, block_n)])
+
+      _warp_specialized(tiles=(g, grid_m * grid_n), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
+                        acc_shape=(block_m, block_n), stages=stages, loaded=loaded, consumed=consumed)
+
+  return _ws_kernel(body, jax.ShapeDtypeStruct((g, kdim, n), x.dtype), interpret)(sizes, block_starts, num_blocks, head, tail, x, dy)
