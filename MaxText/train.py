@@ -332,7 +332,7 @@ def environment() -> dict:
 
 @exit_on_user_error
 def main(argv: list[str]) -> int:
-  if not argv or argv[0] in ("-h", "--help"):
+  if not argv or any(a in ("-h", "--help") for a in argv):  # anywhere, as users type it after a recipe too
     print(USAGE)
     return 0 if argv else 2
   if "=" in argv[0] or not argv[0].endswith((".yml", ".yaml")):

@@ -130,3 +130,12 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, messag
 def test_every_recipe_loads(recipe):
   cfg = load_config(REPO / recipe)
   assert cfg.model.model_name != "default"  # each recipe names a model config
+
+
+@pytest.mark.parametrize("args", [["--help"], [str(TINY_RECIPE), "steps=3", "--help"]])
+def test_help_anywhere_prints_usage_and_runs_nothing(tmp_path, args):
+  out = tmp_path / "runs"
+  proc = subprocess.run([sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out}"], cwd=REPO,
+                        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and "python -m MaxText.train" in proc.stdout, proc.stdout + proc.stderr
+  assert not out.exists()
