@@ -144,8 +144,9 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ..
       add(f"mosaic+{q}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
     from MaxText.quant import fp8_blockwise
 
-    for tiles in fp8_tiles:  # block_m x block_n x max_concurrent_steps x grid_block_n
-      f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(*map(int, tiles.split("x"))))
+    for tiles in fp8_tiles:  # block_m x block_n x max_concurrent_steps x grid_block_n, "ws" suffix: warp-specialized
+      ws = tiles.endswith("ws")
+      f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(*map(int, tiles.removesuffix("ws").split("x")), warp_specialized=ws))
       add(f"mosaic+fp8_blockwise[{tiles}]", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
 
   # Fixed capacity: every group padded to the largest group (rounded to 128 rows).

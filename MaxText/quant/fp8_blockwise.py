@@ -28,12 +28,17 @@ def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
 class MosaicKernels:
   """Lay the quantised operands out as the Hopper kernels need (K-major, widths padded) and call them."""
 
-  # One warpgroup per CTA holds the fp32 carry and the per-block partial: 64x128 keeps both in registers
-  # (2 x 64 per thread). Untuned on hardware: sweep with benchmarks/grouped_gemm.py --quant.
-  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False):
+  # A warpgroup holds the fp32 carry and the per-block partial of 64x128 in registers (2 x 64 per thread):
+  # one per CTA, or (warp_specialized) two consumers on 128 x 128 tiles beside a producer warpgroup.
+  # Untuned on hardware: sweep with benchmarks/grouped_gemm.py --quant --fp8-tiles.
+  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False):
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
     self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
     self.grid_block_n = grid_block_n
+    if warp_specialized:
+      self._ragged, self._transposed = fp8_mosaic.scaled_ragged_dot_ws, fp8_mosaic.scaled_transposed_ragged_dot_ws
+    else:
+      self._ragged, self._transposed = fp8_mosaic.scaled_ragged_dot, fp8_mosaic.scaled_transposed_ragged_dot
 
   def _rows(self, aq: Quantized, wq_t: jax.Array, ws_t: jax.Array, group_sizes, out_dtype) -> jax.Array:
     """aq [M, K] (1x128 along K), wq_t [G, N, K], ws_t [G, K/128, N/128] -> [M, N]."""
@@ -45,7 +50,7 @@ class MosaicKernels:
     sa = _pad(aq.scale.T, 1, bm)  # [K/128, M rounded up]
     b = _pad(_pad(wq_t, 1, bn), 2, FP8_BLOCK)
     sb = _pad(jnp.repeat(ws_t, FP8_BLOCK, axis=2)[:, :, :n], 2, bn)  # each column's weight-block scale
-    y = fp8_mosaic.scaled_ragged_dot(
+    y = self._ragged(
         a, sa, b, sb, group_sizes, block_m=bm, block_n=bn, grid_block_n=self.grid_block_n, out_dtype=out_dtype, interpret=self.interpret, **self.pipeline
     )
     return y[:m, :n]
@@ -61,7 +66,7 @@ class MosaicKernels:
     bm, bn = self.block_m, self.block_n
     a, sa = _pad(xq.q.T, 0, bm), _pad(xq.scale, 1, bm)
     b, sb = _pad(dyq.q.T, 0, bn), _pad(dyq.scale, 1, bn)
-    dw = fp8_mosaic.scaled_transposed_ragged_dot(
+    dw = self._transposed(
         a, sa, b, sb, aligned_sizes, block_m=bm, block_n=bn, out_dtype=out_dtype, interpret=self.interpret, **self.pipeline
     )
     return dw[:, :k, :n]

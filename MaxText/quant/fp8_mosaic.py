@@ -14,6 +14,11 @@ accumulate in the tensor core at limited precision, so promoting every 128 eleme
 what keeps the error at bf16 level (DeepSeek-V3, "increasing accumulation precision").
 Row-group handling follows JAX's ragged_dot_mgpu (its GroupInfo is reused): a row block spanning two
 groups is computed once per group and each pass stores only its own rows.
+
+The `_ws` kernels are warp-specialized (mosaic_kernels._warp_specialized): a producer warpgroup keeps K
+steps in flight across output tiles and two consumer warpgroups promote their halves of a 128-row tile,
+so one's wgmma runs while the other scales and accumulates. Checked in the interpreter, not yet timed:
+selected with fp8_blockwise.MosaicKernels(warp_specialized=True).
 """
 
 import functools
@@ -181,3 +186,156 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
       interpret=interpret,
   )
   return kernel(sizes, starts, a, a_scale, b, b_scale)
+
+
+def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
+  """The consumer step and the row-ranged store shared by the warp-specialized fp8 kernels: each of the
+  two consumer warpgroups owns `half_m` rows of a (2 * half_m, block_n) tile."""
+
+  def mma(a_smem, sa_smem, b_smem, sb_smem, carry, wg):
+    rows = pl.ds(pl.multiple_of(wg * half_m, half_m), half_m)
+
+    def product(part_ref):
+      plgpu.wgmma(part_ref, a_smem.at[rows], b_smem.transpose((1, 0)))
+      return part_ref[...]
+
+    part = pl.run_scoped(product, plgpu.ACC((half_m, block_n), jnp.float32))
+    sa = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+    sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+    # The scales were read through the generic proxy and the producer's next TMA into this slot writes
+    # through the async proxy: fence them before the slot is released (wgmma reads need no fence).
+    plgpu.commit_smem()
+    return carry + part * lax.broadcast_in_dim(sa, (half_m, block_n), [0]) * lax.broadcast_in_dim(sb, (half_m, block_n), [1])
+
+  return mma, lambda: _zeros(plgpu, half_m, block_n)
+
+
+def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False):
+  """scaled_ragged_dot, warp-specialized (mosaic_kernels._warp_specialized): a producer warpgroup keeps
+  `max_concurrent_steps` K steps of operands and scales in flight across output tiles, and two consumer
+  warpgroups each own block_m / 2 rows of a (block_m, block_n) tile. Each consumer waits for its own
+  wgmma before promoting the partial, so the other's wgmma keeps the tensor cores busy meanwhile.
+  Rows follow mosaic_kernels.tile_schedule (no dead tiles)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from MaxText.moe.gmm import mosaic_kernels
+
+  m, k = a.shape
+  g, n, k2 = b.shape
+  if k != k2 or k % BLOCK_K or n % block_n or block_m % 128:
+    raise ValueError(f"scaled_ragged_dot_ws: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of block_n={block_n}; block_m a multiple of 128")
+  if a_scale.shape[1] < pl.cdiv(m, block_m) * block_m:
+    raise ValueError(f"a_scale {a_scale.shape} must cover {pl.cdiv(m, block_m) * block_m} rows")
+  half_m, stages = block_m // 2, max_concurrent_steps
+  group, block, first, owned = mosaic_kernels.tile_schedule(group_sizes, m, block_m)
+  grid_m, grid_n = group.shape[0], n // block_n
+  mma, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
+
+  def body(group_gmem, block_gmem, first_gmem, owned_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a.dtype),
+        sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
+        b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b.dtype),
+        sb_smem=plgpu.SMEM((stages, 1, block_n), jnp.float32),
+        o_smem=plgpu.SMEM((2, half_m, block_n), out_dtype),
+        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # operands and scales of a step
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+    def _scope(a_smem, sa_smem, b_smem, sb_smem, o_smem, loaded, consumed):
+      def tile_info(loop_info):
+        mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, grid_block_n)
+        return mi, ni, owned_gmem[mi], block_gmem[mi]
+
+      def load(info, kb, slot, barrier):
+        mi, ni, _, row_block = info
+        rows, cols, ks = pl.ds(row_block * block_m, block_m), pl.ds(ni * block_n, block_n), pl.ds(kb * BLOCK_K, BLOCK_K)
+        gi = group_gmem[mi]
+        plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(sa_gmem.at[pl.ds(kb, 1), rows], sa_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(b_gmem.at[gi, cols, ks], b_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(sb_gmem.at[gi, pl.ds(kb, 1), cols], sb_smem.at[slot], barrier)
+
+      def store(info, acc, wg):
+        mi, ni, count, row_block = info
+        # This warpgroup's rows of the tile, [wg * half_m, (wg + 1) * half_m), that the tile owns.
+        lo = jnp.maximum(first_gmem[mi], wg * half_m)
+        hi = jnp.minimum(first_gmem[mi] + count, (wg + 1) * half_m)
+        out = o_smem.at[wg]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
+        out[...] = acc.astype(out.dtype)
+        plgpu.commit_smem()
+        mosaic_kernels._store_rows(out, o_gmem, row_block * block_m + wg * half_m, lo - wg * half_m, jnp.maximum(hi - lo, 0), ni * block_n, half_m, block_n)
+
+      mosaic_kernels._warp_specialized(
+          tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=lambda info: jnp.where(info[2] > 0, k // BLOCK_K, 0),
+          load=load, mma=lambda info, kb, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], sb_smem.at[slot], carry, wg),
+          store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
+
+  kernel = mosaic_kernels._ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), interpret)
+  return kernel(group, block, first, owned, a, a_scale, b, b_scale)
+
+
+def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=1, out_dtype=jnp.bfloat16, interpret=False):
+  """scaled_transposed_ragged_dot, warp-specialized like scaled_ragged_dot_ws: (block_m, block_n) tiles
+  of each group's weight gradient, K steps over the group's 128-row blocks."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from MaxText.moe.gmm import mosaic_kernels
+
+  k, rows = a.shape
+  n, rows2 = b.shape
+  g = group_sizes.shape[0]
+  if rows != rows2 or rows % BLOCK_K or k % block_m or n % block_n or block_m % 128:
+    raise ValueError(f"scaled_transposed_ragged_dot_ws: a {a.shape}, b {b.shape}: rows must match and be a multiple of {BLOCK_K}; K of block_m={block_m} (a multiple of 128), N of block_n={block_n}")
+  half_m, stages = block_m // 2, max_concurrent_steps
+  sizes = group_sizes.astype(jnp.int32)
+  first_blocks = (jnp.cumsum(sizes) - sizes) // BLOCK_K
+  grid_k, grid_n = k // block_m, n // block_n
+  mma, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
+
+  def body(sizes_gmem, first_blocks_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a.dtype),
+        sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
+        b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b.dtype),
+        sb_smem=plgpu.SMEM((stages, 1, block_n), jnp.float32),
+        o_smem=plgpu.SMEM((2, half_m, block_n), out_dtype),
+        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+    def _scope(a_smem, sa_smem, b_smem, sb_smem, o_smem, loaded, consumed):
+      def tile_info(loop_info):
+        gi = loop_info.index[0]
+        ki, ni = plgpu.planar_snake(loop_info.index[1], (grid_k, grid_n), 1, grid_block_n)
+        return gi, ki, ni
+
+      def load(info, j, slot, barrier):
+        gi, ki, ni = info
+        jb = first_blocks_gmem[gi] + j
+        ks, cols, rs = pl.ds(ki * block_m, block_m), pl.ds(ni * block_n, block_n), pl.ds(pl.multiple_of(jb * BLOCK_K, BLOCK_K), BLOCK_K)
+        plgpu.copy_gmem_to_smem(a_gmem.at[ks, rs], a_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(sa_gmem.at[pl.ds(jb, 1), ks], sa_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(b_gmem.at[cols, rs], b_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(sb_gmem.at[pl.ds(jb, 1), cols], sb_smem.at[slot], barrier)
+
+      def store(info, acc, wg):  # an empty group stores its zero carry: its gradient is zero
+        gi, ki, ni = info
+        out = o_smem.at[wg]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out[...] = acc.astype(out.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(ki * block_m + wg * half_m, half_m), pl.ds(ni * block_n, block_n)])
+
+      mosaic_kernels._warp_specialized(
+          tiles=(g, grid_k * grid_n), tile_info=tile_info, num_steps=lambda info: sizes_gmem[info[0]] // BLOCK_K,
+          load=load, mma=lambda info, j, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], sb_smem.at[slot], carry, wg),
+          store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
+
+  kernel = mosaic_kernels._ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), out_dtype), interpret)
+  return kernel(sizes, first_blocks.astype(jnp.int32), a, a_scale, b, b_scale)

@@ -248,18 +248,22 @@ def _row_bookkeeping(group_sizes, block_k: int):
 MEMORY_REGISTERS, COMPUTE_REGISTERS = 40, 232  # per thread: 2 x 232 + 40 warpgroups' worth fit the 64K register file
 
 
-def _warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, acc_shape, stages: int, loaded, consumed):
+def _warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: int, loaded, consumed, acc_shape=None, init_carry=None):
   """The loop nest of a warp-specialized persistent kernel, run by warpgroups 0 and 1 (consumers) and 2
   (producer) of a program.
 
   The program's output tiles come from `plgpu.nd_loop(tiles)`; tile t takes num_steps(info) K steps. The
   producer issues every step's copies (`load(info, kk, slot, barrier)`) into a ring of `stages` buffers,
   numbering steps continuously across tiles, so it fills the next tile's buffers while the consumers
-  finish and store the current one. Each consumer accumulates its part of the tile
-  (`mma(info, kk, slot, acc_ref, wg)`), keeping one wgmma in flight and releasing a slot once the wgmma
-  that read it is done, then stores it (`store(info, acc, wg)`).
+  finish and store the current one. Each consumer accumulates its part of the tile and stores it
+  (`store(info, acc, wg)`), in one of two ways:
+  - `acc_shape`: `mma(info, kk, slot, acc_ref, wg)` issues wgmma into an accumulator; one wgmma stays
+    in flight, and a slot is released once the wgmma that read it is done;
+  - `init_carry()`: `mma(info, kk, slot, carry, wg) -> carry` waits for its own wgmma (fp8 promotes
+    each step's partial into an fp32 carry), and releases the slot as soon as it returns.
   """
   wg = lax.axis_index("wg")
+  in_flight = 1 if acc_shape is not None else 0
 
   def producer():
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
@@ -295,28 +299,43 @@ def _warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, acc_shap
       info = tile_info(loop_info)
       nb = num_steps(info)
 
-      def acc_scope(acc_ref):
-        @pl.loop(0, nb)
-        def _(kk):
+      def steps(state, mma_step):
+        def step(kk, state):
           step = carry + kk
-          slot = lax.rem(step, stages)
-          plgpu.barrier_wait(loaded.at[slot])
-          mma(info, kk, slot, acc_ref, wg)
-          plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+          plgpu.barrier_wait(loaded.at[lax.rem(step, stages)])
+          state = mma_step(kk, lax.rem(step, stages), state)
+          plgpu.wgmma_wait(in_flight)
+          if in_flight:
+            @pl.when(kk > 0)  # the previous step's wgmma is done: release its slot
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+          else:  # the step waited for its own wgmma: its slot is free now
+            plgpu.barrier_arrive(consumed.at[lax.rem(step, stages)])
+          return state
 
-          @pl.when(kk > 0)
+        state = lax.fori_loop(0, nb, step, state)
+        if in_flight:
+          plgpu.wgmma_wait(0)
+
+          @pl.when(nb > 0)
           def _():
-            plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+            plgpu.barrier_arrive(consumed.at[lax.rem(carry + nb - 1, stages)])
 
-        plgpu.wgmma_wait(0)
+        return state
 
-        @pl.when(nb > 0)
-        def _():
-          plgpu.barrier_arrive(consumed.at[lax.rem(carry + nb - 1, stages)])
+      if acc_shape is not None:
+        def acc_scope(acc_ref):
+          def mma_step(kk, slot, state):
+            mma(info, kk, slot, acc_ref, wg)  # accumulates in acc_ref: the loop carries nothing
+            return state
 
-        return acc_ref[...]
+          steps((), mma_step)
+          return acc_ref[...]
 
-      store(info, pl.run_scoped(acc_scope, plgpu.ACC(acc_shape)), wg)
+        acc = pl.run_scoped(acc_scope, plgpu.ACC(acc_shape))
+      else:
+        acc = steps(init_carry(), lambda kk, slot, state: mma(info, kk, slot, state, wg))
+      store(info, acc, wg)
       return carry + nb
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
