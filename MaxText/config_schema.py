@@ -118,6 +118,7 @@ class MoEConfig:
   moe_dedup: bool
   moe_ep_buffer_factor: float
   moe_gmm_backend: str = choice("xla", "padded", "mosaic", "tokamax", "te", "auto")
+  moe_mosaic_kernels: str = choice("ours", "ours_ws", "jax")  # the kernel set of moe_gmm_backend=mosaic
   quantization: str = choice("", "mxfp8", "fp8_blockwise")  # expert GEMMs; MaxText/quant/
   moe_group_pad_multiple: int = at_least(0)
 

@@ -78,7 +78,9 @@ def describe(cfg: Config, trainer, flops_per_token: float) -> str:
       f"devices: {jax.device_count()} x {d.device_kind} ({d.platform}), {jax.process_count()} process(es); mesh {mesh}\n"
       f"batch: {trainer.global_batch} sequences x {cfg.train.max_target_length} tokens, "
       f"{cfg.train.gradient_accumulation_steps} microbatch(es); moe_dispatch={cfg.moe.moe_dispatch} "
-      f"moe_gmm_backend={cfg.moe.moe_gmm_backend}; dtype={cfg.model.dtype} weights={cfg.model.weight_dtype}"
+      f"moe_gmm_backend={cfg.moe.moe_gmm_backend}"
+      + (f" (kernels {cfg.moe.moe_mosaic_kernels})" if cfg.moe.moe_gmm_backend == "mosaic" else "")
+      + f"; dtype={cfg.model.dtype} weights={cfg.model.weight_dtype}"
   )
 
 

@@ -239,7 +239,7 @@ def trace_breakdown(compiled, args, iters: int) -> dict:
 # ---- timing: each stage as its own jitted function ----
 def stage_fns(cfg, p, x, bias) -> dict:
   """{stage: (fwd, fwd_bwd, args)} on the inputs the layer itself would give each stage."""
-  gmm = get_gmm(cfg.moe_gmm_backend)
+  gmm = get_gmm(cfg.moe_gmm_backend, cfg.moe_mosaic_kernels)
   experts = {k: p[k] for k in ("wi_0", "wi_1", "wo")}
 
   @jax.jit

@@ -78,6 +78,21 @@ def test_registry_and_clear_errors(tiny_config):
     tiny_config("moe_gmm_backend=mosaic")
   with pytest.raises(TypeError, match="set dtype=bfloat16"):
     mosaic._fwd(jnp.ones((8, 128)), jnp.ones((2, 128, 128)), jnp.array([4, 4]))
+  # moe_mosaic_kernels picks mosaic's kernel set, for the bf16 and the quantised GEMMs alike
+  with pytest.raises(UserError, match="moe_mosaic_kernels"):
+    tiny_config("moe_mosaic_kernels=ours_wss")
+  assert tiny_config("moe_mosaic_kernels=ours_ws").moe.moe_mosaic_kernels == "ours_ws"
+  assert gmm.get_gmm("mosaic", "ours_ws") is mosaic.make_gmm("ours_ws") is not mosaic.gmm
+  assert gmm.get_gmm("mosaic") is mosaic.gmm is mosaic.make_gmm(mosaic.DEFAULT_KERNELS)
+  assert gmm.get_gmm("xla", "ours_ws") is gmm.get_gmm("xla")  # other backends have no kernel sets
+  with pytest.raises(ValueError, match="unknown moe_mosaic_kernels 'cutlass'; choose one of: jax, ours, ours_ws"):
+    mosaic.make_gmm("cutlass")
+  from MaxText import quant
+  from MaxText.quant import fp8_blockwise
+
+  assert quant.quantized_gmm("", "mosaic", "ours_ws") is mosaic.make_gmm("ours_ws")
+  assert quant.quantized_gmm("fp8_blockwise", "mosaic", "ours_ws") is not quant.quantized_gmm("fp8_blockwise", "mosaic")
+  assert fp8_blockwise.KERNELS["mosaic"]._ragged is fp8_blockwise.fp8_mosaic.scaled_ragged_dot  # the default stays as measured
 
 
 class FakeDevice:

@@ -71,14 +71,14 @@ def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[
   if ep.is_ep(cfg.moe_dispatch):
     from MaxText.moe.ep.parallel import routed_ep
 
-    gmm = quantized_gmm(cfg.quantization, cfg.moe_gmm_backend)
+    gmm = quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels)
     out, overflow, sent, nodedup = routed_ep(lambda w, rows, sizes: routed_experts(w, rows, sizes, gmm), p, x, r.expert_ids, r.weights, cfg, shard.mesh)
     out = out if shared is None else out + shared
     return out, MoEStats(load, jnp.zeros((), jnp.int32), balance, overflow, sent, nodedup)
   dispatcher = get_dispatcher(cfg.moe_dispatch, cfg.capacity_factor, cfg.moe_group_pad_multiple)
   with jax.named_scope("permute"):
     dispatched = dispatcher.dispatch(tokens, r.expert_ids, cfg.num_experts)
-  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, quantized_gmm(cfg.quantization, cfg.moe_gmm_backend))
+  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels))
   with jax.named_scope("combine"):
     out = dispatcher.combine(y, r.weights, dispatched).reshape(batch, seq, d)
   if shared is not None:

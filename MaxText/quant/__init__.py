@@ -32,12 +32,12 @@ def check(name: str, backend: str) -> str | None:
   return None
 
 
-def _kernels(backend: str):
+def _kernels(backend: str, mosaic_kernels: str | None):
   """(fwd, dgrad, wgrad) of a bf16 backend; for backends without separate kernels, from its VJP."""
   if backend == "mosaic":
     from MaxText.moe.gmm import mosaic
 
-    return mosaic.kernel_functions(mosaic.DEFAULT_KERNELS)
+    return mosaic.kernel_functions(mosaic_kernels or mosaic.DEFAULT_KERNELS)
   if backend == "xla":
     return vjp.xla_fwd, vjp.xla_dgrad, vjp.xla_wgrad
   return _kernels_from_vjp(gmm_registry.get_gmm(backend))
@@ -54,20 +54,23 @@ def _kernels_from_vjp(f):
 
 
 @functools.cache
-def quantized_gmm(name: str, backend: str) -> gmm_registry.Gmm:
-  """The grouped GEMM for `quantization=name` on the resolved `moe_gmm_backend` (not auto)."""
+def quantized_gmm(name: str, backend: str, mosaic_kernels: str | None = None) -> gmm_registry.Gmm:
+  """The grouped GEMM for `quantization=name` on the resolved `moe_gmm_backend` (not auto), with mosaic's
+  kernel set `mosaic_kernels` (moe_mosaic_kernels; None: the default)."""
   if (why := check(name, backend)) or backend == "auto":
     raise ValueError(why or "resolve moe_gmm_backend=auto first")
   if not name:
-    return gmm_registry.get_gmm(backend)
+    return gmm_registry.get_gmm(backend, mosaic_kernels)
   if name == "mxfp8":
     from MaxText.quant import mxfp8
 
-    return mxfp8.make_gmm(*_kernels(backend))
+    return mxfp8.make_gmm(*_kernels(backend, mosaic_kernels))
   from MaxText.quant import fp8_blockwise
 
   if backend == "mosaic" and not gmm_registry.available("mosaic"):
     raise RuntimeError("quantization=fp8_blockwise with moe_gmm_backend=mosaic needs jax's Pallas Mosaic GPU; upgrade jax")
+  if backend == "mosaic" and mosaic_kernels == "ours_ws":
+    return fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(block_m=128, warp_specialized=True))
   return fp8_blockwise.make_gmm(fp8_blockwise.KERNELS[backend])
 
 

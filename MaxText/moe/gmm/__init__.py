@@ -46,12 +46,14 @@ def available(name: str) -> bool:
     return False
 
 
-def get_gmm(name: str) -> Gmm:
+def get_gmm(name: str, mosaic_kernels: str | None = None) -> Gmm:
+  """The backend's gmm; `mosaic_kernels` names mosaic's kernel set (moe_mosaic_kernels; None: its default)."""
   if name not in BACKENDS:
     raise ValueError(f"unknown moe_gmm_backend '{name}'; choose one of: {', '.join(CHOICES)} (resolve 'auto' first)")
   if not available(name):
     raise RuntimeError(f"moe_gmm_backend={name} needs {BACKENDS[name][1]}, which is not installed; {INSTALL_HINT.get(name, 'upgrade jax')}")
-  return importlib.import_module(BACKENDS[name][0]).gmm
+  module = importlib.import_module(BACKENDS[name][0])
+  return module.make_gmm(mosaic_kernels) if name == "mosaic" and mosaic_kernels else module.gmm
 
 
 def resolve(name: str, device: jax.Device, dtype: str) -> tuple[str, str]:

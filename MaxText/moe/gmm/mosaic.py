@@ -150,8 +150,11 @@ def kernel_functions(kernels: str):
   return fwd, dgrad, wgrad
 
 
+@functools.cache
 def make_gmm(kernels: str):
   """The differentiable grouped GEMM on the named kernel set."""
+  if kernels not in KERNELS:
+    raise ValueError(f"unknown moe_mosaic_kernels '{kernels}'; choose one of: {', '.join(KERNELS)}")
   return grouped_gemm_with_vjp(*kernel_functions(kernels))
 
 
