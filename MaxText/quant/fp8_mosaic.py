@@ -188,6 +188,20 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
   return kernel(sizes, starts, a, a_scale, b, b_scale)
 
 
+def _ws_scaled_scratch(plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m: int, block_n: int) -> dict:
+  """Shared memory of the warp-specialized fp8 kernels: a ring of operand and scale buffers, one output
+  buffer per consumer, and the ring's barriers (a step's four copies; both consumers' releases)."""
+  return dict(
+      a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a_dtype),
+      sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
+      b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b_dtype),
+      sb_smem=plgpu.SMEM((stages, 1, block_n), jnp.float32),
+      o_smem=plgpu.SMEM((2, block_m // 2, block_n), out_dtype),
+      loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  )
+
+
 def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
   """The consumer step and the row-ranged store shared by the warp-specialized fp8 kernels: each of the
   two consumer warpgroups owns `half_m` rows of a (2 * half_m, block_n) tile."""
@@ -233,17 +247,7 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
   mma, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
 
   def body(group_gmem, block_gmem, first_gmem, owned_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
-    @functools.partial(
-        pl.run_scoped,
-        a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a.dtype),
-        sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
-        b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b.dtype),
-        sb_smem=plgpu.SMEM((stages, 1, block_n), jnp.float32),
-        o_smem=plgpu.SMEM((2, half_m, block_n), out_dtype),
-        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # operands and scales of a step
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        collective_axes="wg",
-    )
+    @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n), collective_axes="wg")
     def _scope(a_smem, sa_smem, b_smem, sb_smem, o_smem, loaded, consumed):
       def tile_info(loop_info):
         mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, grid_block_n)
@@ -298,17 +302,7 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
   mma, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
 
   def body(sizes_gmem, first_blocks_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
-    @functools.partial(
-        pl.run_scoped,
-        a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a.dtype),
-        sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
-        b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b.dtype),
-        sb_smem=plgpu.SMEM((stages, 1, block_n), jnp.float32),
-        o_smem=plgpu.SMEM((2, half_m, block_n), out_dtype),
-        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        collective_axes="wg",
-    )
+    @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n), collective_axes="wg")
     def _scope(a_smem, sa_smem, b_smem, sb_smem, o_smem, loaded, consumed):
       def tile_info(loop_info):
         gi = loop_info.index[0]
