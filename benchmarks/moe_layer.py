@@ -64,11 +64,13 @@ SMALL = dict(hidden=64, mlp=32, experts=8, tokens=64, k=2, groups=4, topk_groups
 
 # ---- the layer ----
 def make_config(shape: dict, backend: str, pad: int):
+  """`backend`: a moe_gmm_backend, or mosaic:<moe_mosaic_kernels> (e.g. mosaic:ours_ws)."""
+  name, _, kernels = backend.partition(":")
   return load_config(None, [
       f"num_experts={shape['experts']}", f"num_experts_per_tok={shape['k']}", f"base_moe_mlp_dim={shape['mlp']}",
       "shared_experts=1", "routed_scaling_factor=2.5", f"n_routing_groups={shape['groups']}",
-      f"topk_routing_group={shape['topk_groups']}", f"moe_gmm_backend={backend}", f"moe_group_pad_multiple={pad}",
-      "dtype=bfloat16",
+      f"topk_routing_group={shape['topk_groups']}", f"moe_gmm_backend={name}", f"moe_group_pad_multiple={pad}",
+      "dtype=bfloat16", *([f"moe_mosaic_kernels={kernels}"] if kernels else []),
   ]).moe
 
 
@@ -357,7 +359,7 @@ def guarded(fn, partial: dict, strict: bool) -> dict:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True)
-  ap.add_argument("--backend", default="mosaic", choices=("mosaic", "xla"))
+  ap.add_argument("--backend", default="mosaic", help="mosaic, mosaic:<kernel set> (ours, ours_ws, jax) or xla")
   ap.add_argument("--compare-xla", action="store_true", help="also run the xla grouped GEMM")
   ap.add_argument("--pad", type=int, nargs="+", default=[0, 128], help="moe_group_pad_multiple values to run")
   ap.add_argument("--iters", type=int, default=20)
