@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from MaxText.errors import UserError, exit_on_user_error
+from MaxText.progress import progress
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_DOES_NOT_FIT = 3
@@ -202,7 +203,8 @@ def compile_and_measure(cfg, trainer, state, batch, gpu: str, num_gpus: int, mem
 
     mla.ATTENTION = {**mla.ATTENTION, "cudnn_flash": flash_stand_in.attention}
   start = time.perf_counter()
-  compiled = trainer.jit_step().lower(state, batch).compile()
+  with progress(f"Compiling the training step for {num_gpus} x {gpu} (compile-only)", cfg.train.compile_heartbeat_seconds):
+    compiled = trainer.jit_step().lower(state, batch).compile()
   compile_s = time.perf_counter() - start
   mem = compiled.memory_analysis()
   executed = step_flops.step_flops(trainer.step, state, batch)
@@ -299,7 +301,7 @@ def main(argv: list[str]) -> int:
     print(f"note: {note}", flush=True)
   if args.memory_fraction is None:
     args.memory_fraction = memory_fraction_in_force()
-  print(f"planning {args.recipe} on {args.num_gpus} x {args.gpu}: compiling the training step for compile-only GPUs ...", flush=True)
+  print(f"planning {args.recipe} on {args.num_gpus} x {args.gpu}", flush=True)
   report = plan(cfg, args.gpu, args.num_gpus, args.gpus_per_host, args.memory_fraction)
   report["recipe"], report["overrides"] = args.recipe, overrides
   print(format_report(report), flush=True)

@@ -11,43 +11,21 @@ Exit codes: 0 finished; 2 bad input (one `error:` line, nothing written);
 143 stopped by SIGTERM after saving a checkpoint (run the same command to resume).
 """
 
-import contextlib
 import json
 import math
 import platform
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 from MaxText.config import Config, load_config
 from MaxText.errors import UserError, exit_on_user_error
+from MaxText.progress import progress
 
 USAGE = "usage: python -m MaxText.train RECIPE.yml [key=value ...]"
 EXIT_NONFINITE = 1  # the loss went NaN/Inf (nan_policy=stop)
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: checkpoint saved, run again to resume (0 means finished)
-
-
-@contextlib.contextmanager
-def progress(what: str, every_s: float):
-  """Prints `what` now and then every `every_s` seconds until the block ends."""
-  start = time.perf_counter()
-  print(f"{what} ...", flush=True)
-  done = threading.Event()
-
-  def beat():
-    while not done.wait(every_s):
-      print(f"  still {what.lower()} ({time.perf_counter() - start:.0f} s)", flush=True)
-
-  thread = threading.Thread(target=beat, daemon=True) if every_s > 0 else None
-  if thread:
-    thread.start()
-  try:
-    yield
-  finally:
-    done.set()
-    print(f"{what}: done in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def run_directory(cfg: Config) -> Path:
