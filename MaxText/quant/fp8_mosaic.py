@@ -15,7 +15,7 @@ what keeps the error at bf16 level (DeepSeek-V3, "increasing accumulation precis
 Row-group handling follows JAX's ragged_dot_mgpu (its GroupInfo is reused): a row block spanning two
 groups is computed once per group and each pass stores only its own rows.
 
-The `_ws` kernels are warp-specialized (mosaic_kernels._warp_specialized): a producer warpgroup keeps K
+The `_ws` kernels are warp-specialized (mosaic_kernels.warp_specialized): a producer warpgroup keeps K
 steps in flight across output tiles and two consumer warpgroups promote their halves of a 128-row tile,
 so one's wgmma runs while the other scales and accumulates. Checked in the interpreter, not yet timed:
 selected with fp8_blockwise.MosaicKernels(warp_specialized=True).
@@ -225,7 +225,7 @@ def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
 
 
 def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False):
-  """scaled_ragged_dot, warp-specialized (mosaic_kernels._warp_specialized): a producer warpgroup keeps
+  """scaled_ragged_dot, warp-specialized (mosaic_kernels.warp_specialized): a producer warpgroup keeps
   `max_concurrent_steps` K steps of operands and scales in flight across output tiles, and two consumer
   warpgroups each own block_m / 2 rows of a (block_m, block_n) tile. Each consumer waits for its own
   wgmma before promoting the partial, so the other's wgmma keeps the tensor cores busy meanwhile.
@@ -271,14 +271,14 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
         out[...] = acc.astype(out.dtype)
         plgpu.commit_smem()
-        mosaic_kernels._store_rows(out, o_gmem, row_block * block_m + wg * half_m, lo - wg * half_m, jnp.maximum(hi - lo, 0), ni * block_n, half_m, block_n)
+        mosaic_kernels.store_rows(out, o_gmem, row_block * block_m + wg * half_m, lo - wg * half_m, jnp.maximum(hi - lo, 0), ni * block_n, half_m, block_n)
 
-      mosaic_kernels._warp_specialized(
+      mosaic_kernels.warp_specialized(
           tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=lambda info: jnp.where(info[2] > 0, k // BLOCK_K, 0),
           load=load, mma=lambda info, kb, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], sb_smem.at[slot], carry, wg),
           store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
 
-  kernel = mosaic_kernels._ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), interpret)
+  kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), interpret)
   return kernel(group, block, first, owned, a, a_scale, b, b_scale)
 
 
@@ -326,10 +326,10 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(ki * block_m + wg * half_m, half_m), pl.ds(ni * block_n, block_n)])
 
-      mosaic_kernels._warp_specialized(
+      mosaic_kernels.warp_specialized(
           tiles=(g, grid_k * grid_n), tile_info=tile_info, num_steps=lambda info: sizes_gmem[info[0]] // BLOCK_K,
           load=load, mma=lambda info, j, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], sb_smem.at[slot], carry, wg),
           store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
 
-  kernel = mosaic_kernels._ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), out_dtype), interpret)
+  kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), out_dtype), interpret)
   return kernel(sizes, first_blocks.astype(jnp.int32), a, a_scale, b, b_scale)

@@ -64,7 +64,7 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int):
   return group, block, (lo - block * block_m).astype(jnp.int32), owned
 
 
-def _store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: int):
+def store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: int):
   """Stores rows [first, first + count) of the tile in o_smem to o_gmem rows row0 + first ..."""
 
   @pl.when(count == block_m)
@@ -134,7 +134,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: in
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_smem
           o_smem[...] = acc.astype(o_smem.dtype)
           plgpu.commit_smem()
-          _store_rows(o_smem, o_gmem, row_block * block_m, first_gmem[mi], count, ni * block_n, block_m, block_n)
+          store_rows(o_smem, o_gmem, row_block * block_m, first_gmem[mi], count, ni * block_n, block_m, block_n)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -248,7 +248,7 @@ def _row_bookkeeping(group_sizes, block_k: int):
 MEMORY_REGISTERS, COMPUTE_REGISTERS = 40, 232  # per thread: 2 x 232 + 40 warpgroups' worth fit the 64K register file
 
 
-def _warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: int, loaded, consumed, acc_shape=None, init_carry=None):
+def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: int, loaded, consumed, acc_shape=None, init_carry=None):
   """The loop nest of a warp-specialized persistent kernel, run by warpgroups 0 and 1 (consumers) and 2
   (producer) of a program.
 
@@ -343,7 +343,7 @@ def _warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: 
   lax.cond(wg == 2, producer, consumer)
 
 
-def _ws_kernel(body, out_type, interpret):
+def ws_kernel(body, out_type, interpret):
   return plgpu.kernel(
       body,
       out_type=out_type,
@@ -363,7 +363,7 @@ def _swizzled(block_k: int, dtype):
 
 
 def ragged_dot_ws(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, transpose_rhs: bool = False, interpret=False):
-  """ragged_dot, warp-specialized (see _warp_specialized): (block_m, 2 * block_n) output tiles, each
+  """ragged_dot, warp-specialized (see warp_specialized): (block_m, 2 * block_n) output tiles, each
   consumer warpgroup computing and storing one (block_m, block_n) half; rows as in ragged_dot's tile
   schedule (dead slots take no steps)."""
   m, k = lhs.shape
@@ -419,16 +419,16 @@ def ragged_dot_ws(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
           out[...] = acc.astype(out.dtype)
           plgpu.commit_smem()
-          _store_rows(out, o_gmem, row_block * block_m, first_gmem[mi], count, ni * cta_n + wg * block_n, block_m, block_n)
+          store_rows(out, o_gmem, row_block * block_m, first_gmem[mi], count, ni * cta_n + wg * block_n, block_m, block_n)
 
-      _warp_specialized(tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
+      warp_specialized(tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
                         acc_shape=(block_m, block_n), stages=stages, loaded=loaded, consumed=consumed)
 
-  return _ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), interpret)(group, block, first, owned, lhs, rhs)
+  return ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), interpret)(group, block, first, owned, lhs, rhs)
 
 
 def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, interpret=False):
-  """ragged_wgrad, warp-specialized (see _warp_specialized): (2 * block_m, block_n) output tiles, each
+  """ragged_wgrad, warp-specialized (see warp_specialized): (2 * block_m, block_n) output tiles, each
   consumer warpgroup owning one (block_m, block_n) half.
 
   With 32 groups a group's K loop is only ~16 blocks deep, so the non-specialized kernel spends a
@@ -501,7 +501,7 @@ def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(mi * cta_m + wg * block_m, block_m), pl.ds(ni * block_n, block_n)])
 
-      _warp_specialized(tiles=(g, grid_m * grid_n), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
+      warp_specialized(tiles=(g, grid_m * grid_n), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
                         acc_shape=(block_m, block_n), stages=stages, loaded=loaded, consumed=consumed)
 
-  return _ws_kernel(body, jax.ShapeDtypeStruct((g, kdim, n), x.dtype), interpret)(sizes, block_starts, num_blocks, head, tail, x, dy)
+  return ws_kernel(body, jax.ShapeDtypeStruct((g, kdim, n), x.dtype), interpret)(sizes, block_starts, num_blocks, head, tail, x, dy)
