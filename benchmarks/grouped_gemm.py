@@ -355,6 +355,7 @@ def main() -> int:
   ap.add_argument("--tune-kernels", default=None, help="Mosaic kernel set to tune (default: the backend's default)")
   ap.add_argument("--tune-only", action="store_true", help="tune, write the table, skip the benchmark")
   ap.add_argument("--quick", action="store_true", help="G=8 balanced and G=32 skewed only")
+  ap.add_argument("--cases", default="", help="cases to run instead, comma-separated GROUPS:SIZES, e.g. 32:balanced,8:balanced")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--plot", type=Path)
   ap.add_argument("--quant", default="", help="comma-separated quantizations to add as mosaic+<q> rows: mxfp8,fp8_blockwise")
@@ -372,6 +373,10 @@ def main() -> int:
     if args.tune_only:
       return 0
   cases = [(8, "balanced"), (32, "skewed")] if args.quick else CASES
+  if args.cases:
+    cases = [(int(g), kind) for g, kind in (c.split(":") for c in args.cases.split(","))]
+    if any(kind not in ("balanced", "skewed") for _, kind in cases):
+      ap.error(f"--cases {args.cases}: each case is GROUPS:balanced or GROUPS:skewed")
   results["cases"] = []
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
     quant, tiles = (tuple(v for v in a.split(",") if v) for a in (args.quant, args.fp8_tiles))
