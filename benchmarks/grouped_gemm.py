@@ -255,7 +255,9 @@ def tune(out_dir: Path, iters: int, kernels: str, groups: int) -> dict:
       print(f"tuned {key}: {table['tiles'][key]} at {valid[top]:.0f} TFLOP/s", flush=True)
     measured[key] = results
   table.update({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": M})
-  table.setdefault("kernels", {})[f"g{groups}"] = kernels
+  tuned = table.setdefault("kernels", {})  # which kernel sets hold tuned tiles, per group-count regime
+  before = tuned.get(f"g{groups}", [])
+  tuned[f"g{groups}"] = sorted({*([before] if isinstance(before, str) else before), kernels})
   path = out_dir / "mosaic_tiles.json"
   path.write_text(json.dumps(table, indent=1))
   mosaic.TILES_FILE = path

@@ -81,8 +81,8 @@ def test_registry_and_clear_errors(tiny_config):
   # moe_mosaic_kernels picks mosaic's kernel set, for the bf16 and the quantised GEMMs alike
   with pytest.raises(UserError, match="moe_mosaic_kernels"):
     tiny_config("moe_mosaic_kernels=ours_wss")
-  assert tiny_config("moe_mosaic_kernels=ours_ws").moe.moe_mosaic_kernels == "ours_ws"
-  assert gmm.get_gmm("mosaic", "ours_ws") is mosaic.make_gmm("ours_ws") is not mosaic.gmm
+  assert tiny_config("moe_mosaic_kernels=ours").moe.moe_mosaic_kernels == "ours"
+  assert gmm.get_gmm("mosaic", "ours") is mosaic.make_gmm("ours") is not mosaic.gmm
   assert gmm.get_gmm("mosaic") is mosaic.gmm is mosaic.make_gmm(mosaic.DEFAULT_KERNELS)
   assert gmm.get_gmm("xla", "ours_ws") is gmm.get_gmm("xla")  # other backends have no kernel sets
   with pytest.raises(ValueError, match="unknown moe_mosaic_kernels 'cutlass'; choose one of: jax, ours, ours_ws"):
@@ -90,9 +90,13 @@ def test_registry_and_clear_errors(tiny_config):
   from MaxText import quant
   from MaxText.quant import fp8_blockwise
 
-  assert quant.quantized_gmm("", "mosaic", "ours_ws") is mosaic.make_gmm("ours_ws")
-  assert quant.quantized_gmm("fp8_blockwise", "mosaic", "ours_ws") is not quant.quantized_gmm("fp8_blockwise", "mosaic")
-  assert fp8_blockwise.KERNELS["mosaic"]._ragged is fp8_blockwise.fp8_mosaic.scaled_ragged_dot  # the default stays as measured
+  assert quant.quantized_gmm("", "mosaic", "ours") is mosaic.make_gmm("ours")
+  # fp8_blockwise follows the kernel set: warp-specialized fp8 kernels under ours_ws (the default; measured
+  # 1.3x the plain ones), the plain ones otherwise
+  assert quant.fp8_kernels("mosaic") is quant.fp8_kernels("mosaic", "ours_ws") is fp8_blockwise.WS_KERNELS
+  assert fp8_blockwise.WS_KERNELS._ragged is fp8_blockwise.fp8_mosaic.scaled_ragged_dot_ws
+  assert quant.fp8_kernels("mosaic", "ours")._ragged is fp8_blockwise.fp8_mosaic.scaled_ragged_dot
+  assert quant.quantized_gmm("fp8_blockwise", "mosaic", "ours") is not quant.quantized_gmm("fp8_blockwise", "mosaic")
 
 
 class FakeDevice:

@@ -69,9 +69,19 @@ def quantized_gmm(name: str, backend: str, mosaic_kernels: str | None = None) ->
 
   if backend == "mosaic" and not gmm_registry.available("mosaic"):
     raise RuntimeError("quantization=fp8_blockwise with moe_gmm_backend=mosaic needs jax's Pallas Mosaic GPU; upgrade jax")
-  if backend == "mosaic" and mosaic_kernels == "ours_ws":
-    return fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(block_m=128, warp_specialized=True))
-  return fp8_blockwise.make_gmm(fp8_blockwise.KERNELS[backend])
+  return fp8_blockwise.make_gmm(fp8_kernels(backend, mosaic_kernels))
+
+
+def fp8_kernels(backend: str, mosaic_kernels: str | None = None):
+  """fp8_blockwise's kernels on `backend`: on mosaic, warp-specialized ones when the bf16 kernel set is."""
+  from MaxText.quant import fp8_blockwise
+
+  if backend == "mosaic":
+    from MaxText.moe.gmm import mosaic
+
+    if (mosaic_kernels or mosaic.DEFAULT_KERNELS) in mosaic.WARP_SPECIALIZED:
+      return fp8_blockwise.WS_KERNELS
+  return fp8_blockwise.KERNELS[backend]
 
 
 def describe(name: str, backend: str, device: jax.Device) -> str:

@@ -73,6 +73,9 @@ class MosaicKernels:
 
 
 KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels()}
+# Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws): 1.27-1.34x the plain kernels
+# fwd+bwd on an H200 (benchmarks/results/2026-12-03-h200-ws-kernels/fp8).
+WS_KERNELS = MosaicKernels(block_m=128, warp_specialized=True)
 
 
 def make_gmm(kernels):

@@ -1,7 +1,8 @@
 """Hopper (sm_90) grouped GEMM on Pallas Mosaic GPU kernels, with our VJP and tiling.
 
-Two kernel sets: ours (`mosaic_kernels.py`, the default) and JAX's
-(`ragged_dot_mgpu`, `transposed_ragged_dot_mgpu`), kept for comparison. Forward
+Three kernel sets: our warp-specialized kernels (`ours_ws`, the default) and our
+single-warpgroup ones (`ours`), both in `mosaic_kernels.py`, and JAX's
+(`ragged_dot_mgpu`, `transposed_ragged_dot_mgpu`), the last two kept for comparison. Forward
 and dgrad are a ragged dot (dgrad with transpose_rhs, so w is never transposed
 in memory); wgrad is a ragged dot contracting the rows.
 Group sizes stay on the device: no host synchronisation. The kernels need the
@@ -158,6 +159,6 @@ def make_gmm(kernels: str):
   return grouped_gemm_with_vjp(*kernel_functions(kernels))
 
 
-DEFAULT_KERNELS = "ours"  # measured: equal at G=4/8, 7-14% faster fwd+bwd at G=32 (benchmarks/results/2026-12-02-h200-gmm-kernels)
+DEFAULT_KERNELS = "ours_ws"  # measured: 1-7% faster fwd+bwd than "ours" on 5 of 6 rows (benchmarks/results/2026-12-03-h200-ws-kernels)
 _fwd, _dgrad, _wgrad = kernel_functions(DEFAULT_KERNELS)  # for wrappers that quantise around them
 gmm = make_gmm(DEFAULT_KERNELS)
