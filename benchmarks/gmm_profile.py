@@ -1,10 +1,13 @@
 """Where a Mosaic grouped GEMM's time goes: per-kernel device time (CUPTI) of fwd+bwd, per kernel set.
 
   python benchmarks/gmm_profile.py --out DIR [--iters 5]
+  python benchmarks/gmm_profile.py --out DIR --kernel-sets ours_ws --quant fp8_blockwise --cases 8:balanced
 
 For each DeepSeek-V3 expert shape and G in {4, 32} (balanced and skewed group sizes, as in
-grouped_gemm.py), runs the forward and backward of `mosaic.make_gmm(kernels)` for every kernel set
-and records every kernel launch's median time and name, beside the dense GEMM of the same FLOPs.
+grouped_gemm.py; --cases to choose), runs the forward and backward of `mosaic.make_gmm(kernels)` for
+every kernel set (--kernel-sets to choose) and of each --quant quantised GEMM, and records every kernel
+launch's median time and name, split into Mosaic GPU kernels and the rest (for the quantised GEMMs:
+the quantisation, layout and scale passes XLA runs around the kernels).
 It also counts, for the forward/dgrad kernels, the row-tile slots a static grid of
 cdiv(M, block_m) + G - 1 holds and how many own rows (the rest are dead slots), and for wgrad how many
 group boundaries fall inside a row block (blocks that need masking). Writes gmm_profile.json and .md.
@@ -48,20 +51,29 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True)
   ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--kernel-sets", default="", help="comma-separated Mosaic kernel sets (default: all)")
+  ap.add_argument("--quant", default="", help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8")
+  ap.add_argument("--cases", default="4:balanced,32:balanced,32:skewed", help="comma-separated GROUPS:SIZES")
   args = ap.parse_args()
   args.out.mkdir(parents=True, exist_ok=True)
 
   import jax
 
   from MaxText.moe.gmm import mosaic
+  from MaxText.quant import quantized_gmm
 
+  kernel_sets = [k for k in args.kernel_sets.split(",") if k] or list(mosaic.KERNELS)
+  if unknown := [k for k in kernel_sets if k not in mosaic.KERNELS]:
+    ap.error(f"--kernel-sets {','.join(unknown)}: choose from {', '.join(mosaic.KERNELS)}")
+  cases = [(int(g), kind) for g, kind in (c.split(":") for c in args.cases.split(","))]
   results = {"machine": machine(), "rows_M": M, "cases": []}
-  lines = ["| shape | G | sizes | kernels | total ms | TFLOP/s | kernels (ms) | dead row-tile slots |", "|---|---|---|---|---|---|---|---|"]
-  for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), [(4, "balanced"), (32, "balanced"), (32, "skewed")]):
+  lines = ["| shape | G | sizes | kernels | total ms | TFLOP/s | Mosaic kernels ms | other ms | kernels (ms) | dead row-tile slots |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
     sizes_np, x, w, dy, sizes = jax_inputs(k, n, g, kind)
     tiles = mosaic.tiles_for("fwd", k, n)
     case = {"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]), "runs": {}}
-    variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in mosaic.KERNELS}
+    variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in kernel_sets}
+    variants.update({f"mosaic+{q}": quantized_gmm(q, "mosaic") for q in args.quant.split(",") if q})
     for label, f in variants.items():
 
       @jax.jit
@@ -72,9 +84,10 @@ def main() -> int:
       try:
         kernels = per_kernel(run, (x, w, dy), args.iters)
         total = sum(r["ms"] for r in kernels)
-        case["runs"][label] = {"kernels": kernels, "total_ms": total, "tflops": 6.0 * M * k * n / total / 1e9}
+        in_mosaic = sum(r["ms"] for r in kernels if "mosaic_gpu" in r["kernel"])
+        case["runs"][label] = {"kernels": kernels, "total_ms": total, "mosaic_ms": in_mosaic, "tflops": 6.0 * M * k * n / total / 1e9}
         summary = ", ".join(f"{r['kernel'][:40]} {r['ms']:.3f}" for r in kernels if r["ms"] > 0.01)
-        lines.append(f"| {shape} | {g} | {kind} | {label} | {total:.3f} | {case['runs'][label]['tflops']:.0f} | {summary} | {case['tiles']['dead_fraction']:.3f} |")
+        lines.append(f"| {shape} | {g} | {kind} | {label} | {total:.3f} | {case['runs'][label]['tflops']:.0f} | {in_mosaic:.3f} | {total - in_mosaic:.3f} | {summary} | {case['tiles']['dead_fraction']:.3f} |")
       except Exception as e:
         case["runs"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       print(shape, g, kind, label, case["runs"][label], flush=True)

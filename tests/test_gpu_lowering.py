@@ -42,6 +42,14 @@ def test_mosaic_grouped_gemm_lowers_for_h200():
   assert result == {"device_kind": "NVIDIA H200", "mosaic_custom_call": True, "ours_fwd_bwd_mosaic_kernels": 3, "ours_ws_fwd_bwd_mosaic_kernels": 3}
 
 
+def test_permute_row_gather_reads_a_materialised_index_on_h200():
+  # 2026-12-03 on an H200: with the plan's index arithmetic fused into it, the 65,536-row gather ran at
+  # about a quarter of the memory bandwidth (benchmarks/results/2026-12-03-h200-moe-layer).
+  result = lower("permute_gather")
+  assert result["permute"] == 1
+  assert result["unmaterialised"] > 1  # the check can fail: XLA does fuse the index lookups into the gather
+
+
 def test_ragged_all_to_all_expert_parallelism_compiles_for_eight_h200s():
   # XLA:CPU has no ragged all-to-all, so this path is checked by compiling the MoE layer's forward
   # and backward for 8 compile-only H200s (EP=8, dedup on).

@@ -5,6 +5,7 @@ whose PYTHONPATH holds the CUDA plugin (kept out of the main environment so CPU 
   python tests/compile_only/lower_for_gpu.py mosaic_gmm
   python tests/compile_only/lower_for_gpu.py memory RECIPE [key=value ...]   # one H200: host offload
   python tests/compile_only/lower_for_gpu.py ep_layer RECIPE [key=value ...]   # MoE layer fwd+bwd, EP over 8 H200s
+  python tests/compile_only/lower_for_gpu.py permute_gather   # what the permute's row gather computes per element
 """
 
 import json
@@ -96,6 +97,29 @@ def mosaic_gmm() -> dict:
   return result
 
 
+def permute_gather() -> dict:
+  """Gathers inside the fusion that writes the permuted rows (one H200, DeepSeek-V3 widths, 32 experts,
+  top-8, rows padded to 128), for the permute and for the same take without its index materialised.
+  More than one means each element recomputes index lookups of the permutation plan."""
+  from MaxText.moe import permute
+
+  devices = compile_only.devices("h200", 1)
+  s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
+  args = (jax.ShapeDtypeStruct((8192, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((8192, 8), jnp.int32))
+
+  def gathers_in_row_fusion(f) -> int:
+    text = jax.jit(lambda x, ids: f(x, permute.plan(ids, 32, 128)), in_shardings=(s, s)).lower(*args).compile().as_text()
+    computations = re.split(r"\n(?=%\S+ \()", text)
+    rows = [c for c in computations if re.match(r"%\S+ \(.*\) -> bf16\[\d+,(1,)?7168\]", c) and " gather(" in c]
+    assert len(rows) == 1, [c.split("\n", 1)[0] for c in rows]
+    return rows[0].count(" gather(")
+
+  def unmaterialised(x, p):
+    return jnp.take(x, p.row_copy // p.dest.shape[1], axis=0, mode="fill", fill_value=0)
+
+  return {"permute": gathers_in_row_fusion(permute.permute), "unmaterialised": gathers_in_row_fusion(unmaterialised)}
+
+
 def ep_layer(recipe: str, overrides: list[str]) -> dict:
   """The MoE layer's forward and backward under expert parallelism (moe_dispatch=...) on 8 H200s."""
   import numpy as np
@@ -134,6 +158,8 @@ if __name__ == "__main__":
     result = memory(sys.argv[2], sys.argv[3:])
   elif what == "ep_layer":
     result = ep_layer(sys.argv[2], sys.argv[3:])
+  elif what == "permute_gather":
+    result = permute_gather()
   else:
     result = mosaic_gmm()
   print("RESULT " + json.dumps(result))
