@@ -85,12 +85,13 @@ def plan(expert_ids: jax.Array, num_experts: int, pad_multiple: int = 0) -> Plan
   return Plan(row_copy, dest.reshape(n, k), padded.astype(jnp.int32))
 
 
-def _gather_rows(a: jax.Array, index: jax.Array) -> jax.Array:
+def gather_rows(a: jax.Array, index: jax.Array) -> jax.Array:
   """a[index] along axis 0, zero where index is out of range.
 
   The index is materialised first: otherwise XLA fuses the plan's whole index arithmetic (its sorts'
   outputs, group tables, divisions) into the row gather, and every element of every row recomputes
-  it (on an H200 the 65,536-row gather ran at a quarter of the memory bandwidth that way)."""
+  it (on an H200 the 65,536-row gather ran at a quarter of the memory bandwidth that way). Every row
+  gather by a computed index goes through here (EP dispatch, fp8's group alignment too)."""
   index = jax.lax.optimization_barrier(index)
   return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
 
@@ -101,7 +102,7 @@ def _int_zero(a: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def _permute(x, row_copy, dest):
-  return _gather_rows(x, row_copy // dest.shape[1])
+  return gather_rows(x, row_copy // dest.shape[1])
 
 
 def _permute_fwd(x, row_copy, dest):
@@ -110,7 +111,7 @@ def _permute_fwd(x, row_copy, dest):
 
 def _permute_bwd(res, drows):
   row_copy, dest = res
-  per_copy = _gather_rows(drows, dest).astype(jnp.float32)  # [N, k, D]
+  per_copy = gather_rows(drows, dest).astype(jnp.float32)  # [N, k, D]
   dx = jnp.sum(per_copy, axis=1).astype(drows.dtype)
   return dx, _int_zero(row_copy), _int_zero(dest)
 
@@ -124,7 +125,7 @@ def permute(x: jax.Array, p: Plan) -> jax.Array:
 
 
 def _combine(y, weights, dest):
-  per_copy = _gather_rows(y, dest).astype(jnp.float32)  # [N, k, D]
+  per_copy = gather_rows(y, dest).astype(jnp.float32)  # [N, k, D]
   return jnp.einsum("nkd,nk->nd", per_copy, weights.astype(jnp.float32))
 
 
@@ -141,9 +142,9 @@ def _unpermute_bwd(res, dout):
   y, weights, row_copy, dest = res
   n, k = dest.shape
   dout = dout.astype(jnp.float32)
-  w_row = _gather_rows(weights.reshape(-1).astype(jnp.float32), row_copy)  # 0 on padding rows
-  dy = (_gather_rows(dout, row_copy // k) * w_row[:, None]).astype(y.dtype)
-  dw = jnp.einsum("nkd,nd->nk", _gather_rows(y, dest).astype(jnp.float32), dout).astype(weights.dtype)
+  w_row = gather_rows(weights.reshape(-1).astype(jnp.float32), row_copy)  # 0 on padding rows
+  dy = (gather_rows(dout, row_copy // k) * w_row[:, None]).astype(y.dtype)
+  dw = jnp.einsum("nkd,nd->nk", gather_rows(y, dest).astype(jnp.float32), dout).astype(weights.dtype)
   return dy, dw, _int_zero(row_copy), _int_zero(dest)
 
 

@@ -2,9 +2,10 @@
 
 The weight gradient dw[g] = x_g^T @ dy_g contracts over the rows of group g. Quantising x and dy
 in blocks along rows (32 for mxfp8, 128 for fp8_blockwise) needs each block inside one group, and
-group sizes are arbitrary. So rows are scattered into an aligned layout where every group starts at
+group sizes are arbitrary. So rows are moved into an aligned layout where every group starts at
 a multiple of `align` and is zero-filled up to the next one; blocks then never cross a boundary, and
-the zero rows add nothing to the contraction.
+the zero rows add nothing to the contraction. Both directions are row gathers by a materialised index
+(permute.gather_rows): no scatter.
 """
 
 from typing import NamedTuple
@@ -12,9 +13,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from MaxText.moe.permute import gather_rows
+
 
 class Aligned(NamedTuple):
   dest: jax.Array  # [rows] int32: each row's position in the aligned layout (padded_rows for padding rows)
+  source: jax.Array  # [padded_rows] int32: the row each aligned row holds (rows for zero rows)
   group_sizes: jax.Array  # [groups] int32: group sizes rounded up to `align`
   padded_rows: int  # static: rows + groups * (align - 1), rounded up to `align`
 
@@ -30,17 +34,23 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> Aligned:
   gid = jnp.searchsorted(ends, r, side="right", method="scan_unrolled").astype(jnp.int32)  # == groups for rows past the total
   safe = jnp.minimum(gid, g - 1)
   dest = jnp.where(gid < g, aligned_starts[safe] + r - (ends[safe] - sizes[safe]), padded_rows)
-  return Aligned(dest, aligned_sizes, padded_rows)
+  # The inverse map: aligned row ra of group ga holds row starts[ga] + (ra - aligned_starts[ga]) if that
+  # is inside the group, else nothing.
+  ra = jnp.arange(padded_rows, dtype=jnp.int32)
+  ga = jnp.minimum(jnp.searchsorted(aligned_starts + aligned_sizes, ra, side="right", method="scan_unrolled"), g - 1).astype(jnp.int32)
+  within = ra - aligned_starts[ga]
+  source = jnp.where((within < sizes[ga]) & (ra < aligned_starts[-1] + aligned_sizes[-1]), ends[ga] - sizes[ga] + within, rows)
+  return Aligned(dest, source, aligned_sizes, padded_rows)
 
 
 def to_aligned(x: jax.Array, a: Aligned) -> jax.Array:
   """x [rows, ...] -> [padded_rows, ...]: rows at their aligned positions, zeros elsewhere."""
-  return jnp.zeros((a.padded_rows, *x.shape[1:]), x.dtype).at[a.dest].set(x, mode="drop")
+  return gather_rows(x, a.source)
 
 
 def from_aligned(xa: jax.Array, a: Aligned) -> jax.Array:
   """Inverse of to_aligned; padding rows come back as zeros."""
-  return xa.at[a.dest].get(mode="fill", fill_value=0)
+  return gather_rows(xa, a.dest)
 
 
 def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.moe.dispatch import Dispatched
+from MaxText.moe.permute import gather_rows
 
 
 class CapacityDispatcher:
@@ -40,6 +41,6 @@ class CapacityDispatcher:
 
   def combine(self, y: jax.Array, weights: jax.Array, dispatched: Dispatched) -> jax.Array:
     tokens, k = weights.shape
-    per_copy = jnp.take(y, dispatched.context, axis=0, mode="fill", fill_value=0).reshape(tokens, k, -1)
+    per_copy = gather_rows(y, dispatched.context).reshape(tokens, k, -1)
     out = jnp.einsum("tkd,tk->td", per_copy.astype(jnp.float32), weights.astype(jnp.float32))
     return out.astype(y.dtype)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from MaxText.moe.ep import EpPlan, Received
 from MaxText.moe.ep.units import expert_rows, fits, make_units, payload_bytes, slots_used, unit_outputs
+from MaxText.moe.permute import gather_rows
 
 
 def capacity(plan: EpPlan) -> int:
@@ -27,7 +28,7 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, plan: EpPl
     c = jnp.arange(cap, dtype=jnp.int32)
     unit = jnp.where(c[None, :] < u.counts[:, None], u.starts[:, None] + c[None, :], u.token.shape[0]).reshape(-1)  # [R*cap]
     token = jnp.take(u.token, unit, mode="fill", fill_value=tokens)
-    send_x = jnp.take(x, token, axis=0, mode="fill", fill_value=0).reshape(ranks, cap, d)
+    send_x = gather_rows(x, token).reshape(ranks, cap, d)
     send_ids = jnp.take(u.slot_ids, unit, axis=0, mode="fill", fill_value=-1).reshape(ranks, cap, slots)
     send_w = jnp.take(u.slot_w, unit, axis=0, mode="fill", fill_value=0).reshape(ranks, cap, slots)
   with jax.named_scope("a2a_dispatch"):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from MaxText.moe.ep import EpPlan, Received
 from MaxText.moe.ep.units import expert_rows, fits, make_units, payload_bytes, slots_used, unit_outputs
+from MaxText.moe.permute import gather_rows
 
 
 def receive_buffer(plan: EpPlan) -> int:
@@ -43,7 +44,7 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, plan: EpPl
     starts = jnp.cumsum(counts, axis=1) - counts  # where each slice starts in its sender's units
     offsets = jnp.cumsum(counts, axis=0) - counts  # where it would start in its receiver's buffer
     sizes = jnp.clip(room - offsets, 0, counts)  # what fits
-    send_x = jnp.take(x, u.token, axis=0, mode="fill", fill_value=0)
+    send_x = gather_rows(x, u.token)
   with jax.named_scope("a2a_dispatch"):
     args = (starts[me], sizes[me], offsets[me], sizes[:, me], plan.axis)
     recv_x = _exchange(send_x, _buffer(send_x, room, 0), *args)
