@@ -144,9 +144,9 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ..
       add(f"mosaic+{q}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
     from MaxText.quant import fp8_blockwise
 
-    for tiles in fp8_tiles:  # block_m x block_n x max_concurrent_steps x grid_block_n, "ws" suffix: warp-specialized
-      ws = tiles.endswith("ws")
-      f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(*map(int, tiles.removesuffix("ws").split("x")), warp_specialized=ws))
+    for tiles in fp8_tiles:  # MxNxSTAGESxGRIDN; suffix "ws": warp-specialized, "wsb": and the weights' block scales
+      options = {"ws": {"warp_specialized": True}, "wsb": {"warp_specialized": True, "b_block_scales": True}}.get(tiles.lstrip("0123456789x"), {})
+      f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(*map(int, tiles.rstrip("wsb").split("x")), **options))
       add(f"mosaic+fp8_blockwise[{tiles}]", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
 
   # Fixed capacity: every group padded to the largest group (rounded to 128 rows).
@@ -361,7 +361,7 @@ def main() -> int:
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--plot", type=Path)
   ap.add_argument("--quant", default="", help="comma-separated quantizations to add as mosaic+<q> rows: mxfp8,fp8_blockwise")
-  ap.add_argument("--fp8-tiles", default="", help="extra fp8_blockwise kernel tiles to time, comma-separated MxNxSTAGESxGRIDN, e.g. 64x128x6x4,128x64x4x4")
+  ap.add_argument("--fp8-tiles", default="", help="extra fp8_blockwise kernel tiles to time, comma-separated MxNxSTAGESxGRIDN[ws|wsb], e.g. 64x128x6x4,128x128x4x4ws,128x128x4x4wsb (ws: warp-specialized; wsb: and one weight scale per tile and K step)")
   args = ap.parse_args()
   if args.plot:
     print(plot(args.plot))

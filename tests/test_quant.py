@@ -245,18 +245,20 @@ def test_mxfp8_on_another_backend_uses_its_vjp_and_agrees():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("warp_specialized", [False, True])
-def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode(warp_specialized, capfd):
+@pytest.mark.parametrize("variant", list(fp8_blockwise.MOSAIC_VARIANTS))
+def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode(variant, capfd):
   """The Hopper kernels themselves (fp8 wgmma, in-kernel scales, ragged row stores, per-group wgrad),
   run by Pallas' Mosaic GPU interpreter on CPU, against the jnp blockwise reference; the warp-specialized
-  ones (a producer warpgroup, two consumers on 128-row tiles) with the interpreter's race detector on."""
+  ones (a producer warpgroup, two consumers on 128-row tiles) with the interpreter's race detector on.
+  n = 136 gives two 128-wide weight-scale blocks, the second partly padding."""
   plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   x, w, dy = _operands(seed=4, m=150, k=200, n=136)
   sizes = jnp.array([60, 0, 81, 4], jnp.int32)  # 145 rows: 5 padding rows, a group of 4, one empty
-  if warp_specialized:  # 2 stages, so that the ring of buffers is reused within and across tiles
-    kernels = fp8_blockwise.MosaicKernels(block_m=128, max_concurrent_steps=2, interpret=plgpu.InterpretGPUParams(detect_races=True), warp_specialized=True)
+  kw = fp8_blockwise.MOSAIC_VARIANTS[variant]
+  if kw.get("warp_specialized"):  # 2 stages, so that the ring of buffers is reused within and across tiles
+    kernels = fp8_blockwise.MosaicKernels(**kw, max_concurrent_steps=2, interpret=plgpu.InterpretGPUParams(detect_races=True))
   else:
-    kernels = fp8_blockwise.MosaicKernels(interpret=plgpu.InterpretGPUParams())
+    kernels = fp8_blockwise.MosaicKernels(**kw, interpret=plgpu.InterpretGPUParams())
   got = _run(fp8_blockwise.make_gmm(kernels), x, w, dy, sizes)
   want = _run(quant.quantized_gmm("fp8_blockwise", "xla"), x, w, dy, sizes)
   for a, b in zip((got[0][:145], got[1][:145], got[2]), (want[0][:145], want[1][:145], want[2])):
@@ -342,7 +344,7 @@ def test_fp8_blockwise_kernels_compile_for_h200():
     pytest.skip(f"CUDA plugin not installed in {site}")
   env = {**os.environ, "PYTHONPATH": f"{site}:{repo}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   script = repo / "tests" / "compile_only" / "lower_fp8_for_gpu.py"
-  for kernels in ("fp8_blockwise", "fp8_blockwise:ws"):  # and the warp-specialized kernels
+  for kernels in [f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS]:
     proc = subprocess.run([sys.executable, str(script), kernels, "4096x7168x4096x8"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

@@ -31,10 +31,15 @@ class MosaicKernels:
   # A warpgroup holds the fp32 carry and the per-block partial of 64x128 in registers (2 x 64 per thread):
   # one per CTA, or (warp_specialized) two consumers on 128 x 128 tiles beside a producer warpgroup.
   # Untuned on hardware: sweep with benchmarks/grouped_gemm.py --quant --fp8-tiles.
-  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False):
+  # b_block_scales (warp-specialized, block_n 128): fwd/dgrad take the weights' 128x128 block scales as
+  # they are, one per tile and K step, instead of one per column (fp8_mosaic.scaled_ragged_dot_ws).
+  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False):
+    if b_block_scales and not (warp_specialized and block_n == FP8_BLOCK):
+      raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n={FP8_BLOCK}")
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
     self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
     self.grid_block_n = grid_block_n
+    self.row_kernel_options = {"b_block_scales": True} if b_block_scales else {}
     if warp_specialized:
       self._ragged, self._transposed = fp8_mosaic.scaled_ragged_dot_ws, fp8_mosaic.scaled_transposed_ragged_dot_ws
     else:
@@ -49,9 +54,13 @@ class MosaicKernels:
       a = _pad(a, 0, bm)
     sa = _pad(aq.scale.T, 1, bm)  # [K/128, M rounded up]
     b = _pad(_pad(wq_t, 1, bn), 2, FP8_BLOCK)
-    sb = _pad(jnp.repeat(ws_t, FP8_BLOCK, axis=2)[:, :, :n], 2, bn)  # each column's weight-block scale
+    if self.row_kernel_options:  # block_n = 128: a tile's columns are one weight block
+      sb = ws_t
+    else:
+      sb = _pad(jnp.repeat(ws_t, FP8_BLOCK, axis=2)[:, :, :n], 2, bn)  # each column's weight-block scale
     y = self._ragged(
-        a, sa, b, sb, group_sizes, block_m=bm, block_n=bn, grid_block_n=self.grid_block_n, out_dtype=out_dtype, interpret=self.interpret, **self.pipeline
+        a, sa, b, sb, group_sizes, block_m=bm, block_n=bn, grid_block_n=self.grid_block_n, out_dtype=out_dtype, interpret=self.interpret,
+        **self.pipeline, **self.row_kernel_options
     )
     return y[:m, :n]
 
@@ -72,10 +81,16 @@ class MosaicKernels:
     return dw[:, :k, :n]
 
 
-KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels()}
+# The Mosaic kernel variants, by name, as the GPU checks, the lowering test and the benchmarks compare them.
+MOSAIC_VARIANTS = {
+    "plain": {},
+    "ws": {"block_m": 128, "warp_specialized": True},
+    "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},  # untimed
+}
+KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plain"])}
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws): 1.27-1.34x the plain kernels
 # fwd+bwd on an H200 (benchmarks/results/2026-12-03-h200-ws-kernels/fp8).
-WS_KERNELS = MosaicKernels(block_m=128, warp_specialized=True)
+WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws"])
 
 
 def make_gmm(kernels):

@@ -17,8 +17,10 @@ groups is computed once per group and each pass stores only its own rows.
 
 The `_ws` kernels are warp-specialized (mosaic_kernels.warp_specialized): a producer warpgroup keeps K
 steps in flight across output tiles and two consumer warpgroups promote their halves of a 128-row tile,
-so one's wgmma runs while the other scales and accumulates. Checked in the interpreter, not yet timed:
-selected with fp8_blockwise.MosaicKernels(warp_specialized=True).
+so one's wgmma runs while the other scales and accumulates: 1.27-1.34x the plain kernels on an H200,
+still 0.48-0.68x bf16 (benchmarks/results/2026-12-03-h200-ws-kernels/fp8). Selected by
+fp8_blockwise.MosaicKernels(warp_specialized=True), the default under moe_mosaic_kernels=ours_ws;
+b_block_scales (one weight scale per tile and K step, see scaled_ragged_dot_ws) is untimed.
 """
 
 import functools
@@ -188,25 +190,30 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
   return kernel(sizes, starts, a, a_scale, b, b_scale)
 
 
-def _ws_scaled_scratch(plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m: int, block_n: int) -> dict:
+def _ws_scaled_scratch(plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m: int, block_n: int, column_scales: bool = True) -> dict:
   """Shared memory of the warp-specialized fp8 kernels: a ring of operand and scale buffers, one output
-  buffer per consumer, and the ring's barriers (a step's four copies; both consumers' releases)."""
-  return dict(
+  buffer per consumer, and the ring's barriers (a step's copies; both consumers' releases). Without
+  `column_scales` (one b scale per tile and step, read by the consumers from global memory) the ring
+  holds no b scales."""
+  scratch = dict(
       a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a_dtype),
       sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
       b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b_dtype),
-      sb_smem=plgpu.SMEM((stages, 1, block_n), jnp.float32),
       o_smem=plgpu.SMEM((2, block_m // 2, block_n), out_dtype),
-      loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+      loaded=plgpu.Barrier(num_arrivals=4 if column_scales else 3, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   )
+  if column_scales:
+    scratch["sb_smem"] = plgpu.SMEM((stages, 1, block_n), jnp.float32)
+  return scratch
 
 
 def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
   """The consumer step and the row-ranged store shared by the warp-specialized fp8 kernels: each of the
   two consumer warpgroups owns `half_m` rows of a (2 * half_m, block_n) tile."""
 
-  def mma(a_smem, sa_smem, b_smem, sb_smem, carry, wg):
+  def mma(a_smem, sa_smem, b_smem, carry, wg, sb_smem=None, sb_tile=None):
+    """One K step; b's scales are per column (`sb_smem`) or one value for the whole tile (`sb_tile`)."""
     rows = pl.ds(pl.multiple_of(wg * half_m, half_m), half_m)
 
     def product(part_ref):
@@ -215,21 +222,29 @@ def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
 
     part = pl.run_scoped(product, plgpu.ACC((half_m, block_n), jnp.float32))
     sa = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-    sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+    if sb_smem is not None:
+      sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
     # The scales were read through the generic proxy and the producer's next TMA into this slot writes
     # through the async proxy: fence them before the slot is released (wgmma reads need no fence).
     plgpu.commit_smem()
+    if sb_tile is not None:  # a row scale times the tile's b scale, then one multiply-add per element
+      return carry + part * lax.broadcast_in_dim(sa * sb_tile, (half_m, block_n), [0])
     return carry + part * lax.broadcast_in_dim(sa, (half_m, block_n), [0]) * lax.broadcast_in_dim(sb, (half_m, block_n), [1])
 
   return mma, lambda: _zeros(plgpu, half_m, block_n)
 
 
-def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False):
+def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False, b_block_scales=False):
   """scaled_ragged_dot, warp-specialized (mosaic_kernels.warp_specialized): a producer warpgroup keeps
   `max_concurrent_steps` K steps of operands and scales in flight across output tiles, and two consumer
   warpgroups each own block_m / 2 rows of a (block_m, block_n) tile. Each consumer waits for its own
   wgmma before promoting the partial, so the other's wgmma keeps the tensor cores busy meanwhile.
-  Rows follow mosaic_kernels.tile_schedule (no dead tiles)."""
+  Rows follow mosaic_kernels.tile_schedule (no dead tiles).
+
+  b_block_scales: b_scale is the weights' own [G, K/128, N/128] block scales, and block_n = 128, so a
+  tile's columns share one scale per K step. The consumers then read that one value (from global
+  memory, issued before the wgmma) instead of a scale per column, and promote with one multiply-add per
+  element instead of two multiplies and an add."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -241,14 +256,16 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
     raise ValueError(f"scaled_ragged_dot_ws: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of block_n={block_n}; block_m a multiple of 128")
   if a_scale.shape[1] < pl.cdiv(m, block_m) * block_m:
     raise ValueError(f"a_scale {a_scale.shape} must cover {pl.cdiv(m, block_m) * block_m} rows")
+  if b_block_scales and (block_n != BLOCK_K or b_scale.shape != (g, k // BLOCK_K, n // BLOCK_K)):
+    raise ValueError(f"b_block_scales: block_n must be {BLOCK_K} (got {block_n}) and b_scale [G, K/128, N/128] = {(g, k // BLOCK_K, n // BLOCK_K)} (got {b_scale.shape})")
   half_m, stages = block_m // 2, max_concurrent_steps
   group, block, first, owned = mosaic_kernels.tile_schedule(group_sizes, m, block_m)
   grid_m, grid_n = group.shape[0], n // block_n
   mma, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
 
   def body(group_gmem, block_gmem, first_gmem, owned_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
-    @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n), collective_axes="wg")
-    def _scope(a_smem, sa_smem, b_smem, sb_smem, o_smem, loaded, consumed):
+    @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n, not b_block_scales), collective_axes="wg")
+    def _scope(a_smem, sa_smem, b_smem, o_smem, loaded, consumed, sb_smem=None):
       def tile_info(loop_info):
         mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, grid_block_n)
         return mi, ni, owned_gmem[mi], block_gmem[mi]
@@ -260,7 +277,14 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
         plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(sa_gmem.at[pl.ds(kb, 1), rows], sa_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(b_gmem.at[gi, cols, ks], b_smem.at[slot], barrier)
-        plgpu.copy_gmem_to_smem(sb_gmem.at[gi, pl.ds(kb, 1), cols], sb_smem.at[slot], barrier)
+        if not b_block_scales:
+          plgpu.copy_gmem_to_smem(sb_gmem.at[gi, pl.ds(kb, 1), cols], sb_smem.at[slot], barrier)
+
+      def step(info, kb, slot, carry, wg):
+        if b_block_scales:
+          mi, ni, _, _ = info
+          return mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_tile=sb_gmem[group_gmem[mi], kb, ni])
+        return mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_smem=sb_smem.at[slot])
 
       def store(info, acc, wg):
         mi, ni, count, row_block = info
@@ -275,8 +299,7 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
 
       mosaic_kernels.warp_specialized(
           tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=lambda info: jnp.where(info[2] > 0, k // BLOCK_K, 0),
-          load=load, mma=lambda info, kb, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], sb_smem.at[slot], carry, wg),
-          store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
+          load=load, mma=step, store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
 
   kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), interpret)
   return kernel(group, block, first, owned, a, a_scale, b, b_scale)
@@ -303,7 +326,7 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
 
   def body(sizes_gmem, first_blocks_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
     @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n), collective_axes="wg")
-    def _scope(a_smem, sa_smem, b_smem, sb_smem, o_smem, loaded, consumed):
+    def _scope(a_smem, sa_smem, b_smem, o_smem, loaded, consumed, sb_smem):
       def tile_info(loop_info):
         gi = loop_info.index[0]
         ki, ni = plgpu.planar_snake(loop_info.index[1], (grid_k, grid_n), 1, grid_block_n)
@@ -328,7 +351,7 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
 
       mosaic_kernels.warp_specialized(
           tiles=(g, grid_k * grid_n), tile_info=tile_info, num_steps=lambda info: sizes_gmem[info[0]] // BLOCK_K,
-          load=load, mma=lambda info, j, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], sb_smem.at[slot], carry, wg),
+          load=load, mma=lambda info, j, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_smem=sb_smem.at[slot]),
           store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
 
   kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), out_dtype), interpret)

@@ -1,9 +1,10 @@
 """Compiles the quantised expert GEMMs (forward + both backward GEMMs) for a compile-only H200 and prints
 JSON; run by tests/test_quant.py in a subprocess whose PYTHONPATH holds the CUDA plugin.
 
-  python tests/compile_only/lower_fp8_for_gpu.py fp8_blockwise|fp8_blockwise:ws|mxfp8 [MxKxNxG ...]   (default 4096x7168x4096x8)
+  python tests/compile_only/lower_fp8_for_gpu.py fp8_blockwise[:VARIANT]|mxfp8 [MxKxNxG ...]   (default 4096x7168x4096x8)
 
-fp8_blockwise:ws compiles the warp-specialized fp8 kernels (fp8_mosaic.scaled_*_ws).
+fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales); a bare
+fp8_blockwise is what quantization=fp8_blockwise runs by default.
 """
 
 import json
@@ -20,10 +21,10 @@ from MaxText.quant import quantized_gmm
 def compile_one(fmt: str, m: int, k: int, n: int, g: int) -> dict:
   devices = compile_only.devices("h200", 1)
   s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
-  if fmt == "fp8_blockwise:ws":
+  if fmt.startswith("fp8_blockwise:"):
     from MaxText.quant import fp8_blockwise
 
-    f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(block_m=128, warp_specialized=True))
+    f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[fmt.split(":")[1]]))
   else:
     f = quantized_gmm(fmt, "mosaic")
 

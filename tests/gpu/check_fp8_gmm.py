@@ -92,14 +92,14 @@ def main() -> int:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     interpret = plgpu.InterpretGPUParams()
-    impls = {"fp8_blockwise": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(interpret=interpret)),
-             "fp8_blockwise:ws": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(block_m=128, interpret=interpret, warp_specialized=True)),
-             "mxfp8": quantized_gmm("mxfp8", "xla")}
+    mxfp8 = quantized_gmm("mxfp8", "xla")
     cases = [("small", 300, 256, 136, 4, "odd_sizes"), ("small", 256, 200, 256, 3, "one_group")]
   else:
-    impls = {"fp8_blockwise": quantized_gmm("fp8_blockwise", "mosaic"), "fp8_blockwise:ws": quantized_gmm("fp8_blockwise", "mosaic", "ours_ws"),
-             "mxfp8": quantized_gmm("mxfp8", "mosaic")}
+    interpret, mxfp8 = False, quantized_gmm("mxfp8", "mosaic")
     cases = CASES
+  # Every Mosaic kernel variant of fp8_blockwise (the default is "ws" under moe_mosaic_kernels=ours_ws).
+  impls = {f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**kw, interpret=interpret)) for name, kw in fp8_blockwise.MOSAIC_VARIANTS.items()}
+  impls["mxfp8"] = mxfp8
   dtype = jnp.float32 if args.cpu_dry_run else jnp.bfloat16
   results = {"seed": seed, "device": jax.devices()[0].device_kind, "exact_bound": EXACT_BOUND, "format_bound": FORMAT_BOUND, "cases": []}
   ok = True
