@@ -330,11 +330,14 @@ def markdown(results: dict) -> str:
     for mode, t in run.get("trace", {}).items():
       ratio = t["layer_over_gmm"]
       lines.append(f"| {run['backend']} | {run['pad']} | {mode} | " + " | ".join(f"{t[k]:.3f}" for k in STAGES) + f" | {t['other'] + t['unattributed']:.3f} | {t['total']:.3f}"
-                   + f" | {ratio:.2f} | {'met' if ratio and ratio <= 1.25 else 'not met'} |")
+                   + f" | {ratio:.3f} | {'met' if ratio and ratio <= 1.25 else 'not met'} |")
   lines += ["", "Each stage as its own jitted function on the same inputs (ms; fwd / fwd+bwd):", "",
             "| backend | pad | " + " | ".join((*STAGES, "layer")) + " | timer |", "|---" * (len(STAGES) + 4) + "|"]
   for run in results["runs"]:
-    st = run.get("stages", {"error": "not run (--no-stages)"})
+    if "stages" not in run and "error" not in run:
+      lines.append(f"| {run['backend']} | {run['pad']} | skipped (--no-stages) |")
+      continue
+    st = run.get("stages", {})
     if "error" in st or "error" in run:
       lines.append(f"| {run['backend']} | {run['pad']} | failed: {st.get('error') or run.get('error')} |")
       continue
