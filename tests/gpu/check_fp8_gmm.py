@@ -85,7 +85,12 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True, help="JSON results path (a .md table is written beside it)")
   ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes; fp8 kernels in the Mosaic GPU interpreter, mxfp8 on xla")
+  ap.add_argument("--variants", default="", help="comma-separated fp8_blockwise kernel variants to check (default: all of fp8_blockwise.MOSAIC_VARIANTS)")
+  ap.add_argument("--quick", action="store_true", help="three cases (DeepSeek-V3 widths balanced and skewed, odd sizes and widths) instead of all")
   args = ap.parse_args()
+  variants = [v for v in args.variants.split(",") if v] or list(fp8_blockwise.MOSAIC_VARIANTS)
+  if unknown := [v for v in variants if v not in fp8_blockwise.MOSAIC_VARIANTS]:
+    ap.error(f"--variants {','.join(unknown)}: choose from {', '.join(fp8_blockwise.MOSAIC_VARIANTS)}")
   seed = int.from_bytes(os.urandom(4), "little")
   rng = np.random.default_rng(seed)
   if args.cpu_dry_run:
@@ -96,9 +101,9 @@ def main() -> int:
     cases = [("small", 300, 256, 136, 4, "odd_sizes"), ("small", 256, 200, 256, 3, "one_group")]
   else:
     interpret, mxfp8 = False, quantized_gmm("mxfp8", "mosaic")
-    cases = CASES
-  # Every Mosaic kernel variant of fp8_blockwise (the default is "ws" under moe_mosaic_kernels=ours_ws).
-  impls = {f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**kw, interpret=interpret)) for name, kw in fp8_blockwise.MOSAIC_VARIANTS.items()}
+    cases = [CASES[0], CASES[2], CASES[-1]] if args.quick else CASES
+  # The Mosaic kernel variants of fp8_blockwise (the default is "ws" under moe_mosaic_kernels=ours_ws).
+  impls = {f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[name], interpret=interpret)) for name in variants}
   impls["mxfp8"] = mxfp8
   dtype = jnp.float32 if args.cpu_dry_run else jnp.bfloat16
   results = {"seed": seed, "device": jax.devices()[0].device_kind, "exact_bound": EXACT_BOUND, "format_bound": FORMAT_BOUND, "cases": []}
