@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grouped_gemm import M, SHAPES, jax_inputs, machine  # noqa: E402
+from grouped_gemm import M, SHAPES, jax_inputs, machine, parse_cases  # noqa: E402
 
 
 def tile_counts(sizes: np.ndarray, block_m: int, block_k: int) -> dict:
@@ -55,7 +55,7 @@ def main() -> int:
   ap.add_argument("--quant", default="", help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8")
   ap.add_argument("--cases", default="4:balanced,32:balanced,32:skewed", help="comma-separated GROUPS:SIZES")
   args = ap.parse_args()
-  args.out.mkdir(parents=True, exist_ok=True)
+  cases = parse_cases(ap, args.cases)
 
   import jax
 
@@ -65,7 +65,7 @@ def main() -> int:
   kernel_sets = [k for k in args.kernel_sets.split(",") if k] or list(mosaic.KERNELS)
   if unknown := [k for k in kernel_sets if k not in mosaic.KERNELS]:
     ap.error(f"--kernel-sets {','.join(unknown)}: choose from {', '.join(mosaic.KERNELS)}")
-  cases = [(int(g), kind) for g, kind in (c.split(":") for c in args.cases.split(","))]
+  args.out.mkdir(parents=True, exist_ok=True)
   results = {"machine": machine(), "rows_M": M, "cases": []}
   lines = ["| shape | G | sizes | kernels | total ms | TFLOP/s | Mosaic kernels ms | other ms | kernels (ms) | dead row-tile slots |", "|---|---|---|---|---|---|---|---|---|---|"]
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):

@@ -21,6 +21,7 @@ with it (--tune-only: stop after tuning).
 import argparse
 import itertools
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,17 @@ def group_sizes(m: int, g: int, kind: str) -> np.ndarray:
     sizes = np.floor(np.random.default_rng(0).dirichlet(np.full(g, 0.5)) * m / 16).astype(int) * 16
   sizes[int(np.argmax(sizes))] += m - sizes.sum()
   return sizes.astype(np.int32)
+
+
+def parse_cases(ap: argparse.ArgumentParser, text: str) -> list[tuple[int, str]]:
+  """--cases "32:balanced,8:skewed" -> [(32, "balanced"), (8, "skewed")] (gmm_profile.py's too)."""
+  try:
+    cases = [(int(g), kind) for g, kind in (c.split(":") for c in text.split(","))]
+  except ValueError:
+    cases = []
+  if not cases or any(g < 1 or kind not in ("balanced", "skewed") for g, kind in cases):
+    ap.error(f"--cases {text}: each case is GROUPS:balanced or GROUPS:skewed, comma-separated")
+  return cases
 
 
 # ---- timing ----
@@ -366,6 +378,11 @@ def main() -> int:
   if args.plot:
     print(plot(args.plot))
     return 0
+  cases = [(8, "balanced"), (32, "skewed")] if args.quick else CASES
+  if args.cases:
+    cases = parse_cases(ap, args.cases)
+  if bad := [t for t in args.fp8_tiles.split(",") if t and not re.fullmatch(r"\d+x\d+x\d+x\d+(ws|wsb)?", t)]:
+    ap.error(f"--fp8-tiles {','.join(bad)}: each is MxNxSTAGESxGRIDN with an optional ws or wsb suffix, e.g. 128x128x4x4ws")
   args.out.mkdir(parents=True, exist_ok=True)
   results = {"machine": machine(), "rows_M": M}
   if args.tune:
@@ -374,11 +391,6 @@ def main() -> int:
     results["tuning"] = tune(args.out, 5, args.tune_kernels or mosaic.DEFAULT_KERNELS, args.tune_groups)["tiles"]
     if args.tune_only:
       return 0
-  cases = [(8, "balanced"), (32, "skewed")] if args.quick else CASES
-  if args.cases:
-    cases = [(int(g), kind) for g, kind in (c.split(":") for c in args.cases.split(","))]
-    if any(kind not in ("balanced", "skewed") for _, kind in cases):
-      ap.error(f"--cases {args.cases}: each case is GROUPS:balanced or GROUPS:skewed")
   results["cases"] = []
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
     quant, tiles = (tuple(v for v in a.split(",") if v) for a in (args.quant, args.fp8_tiles))

@@ -36,10 +36,11 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> Aligned:
   dest = jnp.where(gid < g, aligned_starts[safe] + r - (ends[safe] - sizes[safe]), padded_rows)
   # The inverse map: aligned row ra of group ga holds row starts[ga] + (ra - aligned_starts[ga]) if that
   # is inside the group, else nothing.
+  # (Aligned rows past the last group fall in it, clamped, beyond its size.)
   ra = jnp.arange(padded_rows, dtype=jnp.int32)
   ga = jnp.minimum(jnp.searchsorted(aligned_starts + aligned_sizes, ra, side="right", method="scan_unrolled"), g - 1).astype(jnp.int32)
   within = ra - aligned_starts[ga]
-  source = jnp.where((within < sizes[ga]) & (ra < aligned_starts[-1] + aligned_sizes[-1]), ends[ga] - sizes[ga] + within, rows)
+  source = jnp.where(within < sizes[ga], ends[ga] - sizes[ga] + within, rows)
   return Aligned(dest, source, aligned_sizes, padded_rows)
 
 

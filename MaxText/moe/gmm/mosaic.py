@@ -159,6 +159,6 @@ def make_gmm(kernels: str):
   return grouped_gemm_with_vjp(*kernel_functions(kernels))
 
 
-DEFAULT_KERNELS = "ours_ws"  # measured: 1-7% faster fwd+bwd than "ours" on 5 of 6 rows (benchmarks/results/2026-12-03-h200-ws-kernels)
+DEFAULT_KERNELS = "ours_ws"  # measured, tuned: 1-9% faster fwd+bwd than "ours" on 9 of 10 rows (benchmarks/results/2026-12-03-h200-ws-kernels)
 _fwd, _dgrad, _wgrad = kernel_functions(DEFAULT_KERNELS)  # for wrappers that quantise around them
 gmm = make_gmm(DEFAULT_KERNELS)
