@@ -186,6 +186,9 @@ class TrainConfig:
   enable_tensorboard: bool
   peak_tflops_per_device: float = at_least(0.0)
   compile_heartbeat_seconds: float = at_least(0.0)
+  profiler: str = choice("", "xplane")
+  skip_first_n_steps_for_profiler: int = at_least(0)
+  profiler_steps: int = at_least(1)
   # Checkpoints, resume and faults.
   enable_checkpointing: bool
   async_checkpointing: bool

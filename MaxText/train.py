@@ -168,6 +168,10 @@ def train(cfg: Config) -> list[dict]:
       raise UserError(f"run directory {run_dir} already holds a run finished at step {start} (steps={t.steps}); "
                       "raise steps to train on, or choose another run_name")
     ckpt.check_compatible(start)
+  first_profiled = (start or 0) + t.skip_first_n_steps_for_profiler
+  if t.profiler and first_profiled + t.profiler_steps > t.steps:
+    raise UserError(f"profiler={t.profiler}: steps {first_profiled}-{first_profiled + t.profiler_steps - 1} would be profiled but the run ends "
+                    f"at step {t.steps - 1}; lower skip_first_n_steps_for_profiler or profiler_steps, or raise steps")
 
   make_run_dir(run_dir, resumable=ckpt is not None)
   (run_dir / "config.yml").write_text(cfg.to_yaml())
@@ -189,6 +193,11 @@ def train(cfg: Config) -> list[dict]:
           f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
           f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB")
 
+  profiler = None
+  if t.profiler and jax.process_index() == 0:
+    from MaxText.profile import StepProfiler
+
+    profiler = StepProfiler(run_dir / "profile", first_profiled, t.profiler_steps, step_fn.as_text())
   tokens_per_step = trainer.global_batch * seq
   writer = MetricsWriter(run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
   history = []
@@ -229,7 +238,11 @@ def train(cfg: Config) -> list[dict]:
   try:
     with Preemption() as preemption:
       for step in range(start, t.steps):
+        if profiler:
+          profiler.before(step, state)
         state, metrics = step_fn(state, batch)
+        if profiler:
+          profiler.after(step, state)
         done = step + 1  # state.step once this step has run
         stop = preemption.should_stop(done)
         save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)

@@ -128,9 +128,10 @@ class Trainer:
   def step(self, state: TrainState, batch: model.Batch) -> tuple[TrainState, dict]:
     state = host_offload.to_device(state, self.device_state_shardings, self.cfg.train)
     (loss, aux), grads = self._grads(state.params, state.bias, batch)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      grad_norm = optax.tree.norm(grads)
+      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+      new_params = optax.apply_updates(state.params, updates)
     bias = state.bias
     if self.cfg.moe.routed_bias and self.cfg.moe.routed_bias_update_rate > 0:
       bias = {k: router.update_bias(bias[k], aux.load[k], self.cfg.moe.routed_bias_update_rate) for k in bias}

@@ -52,7 +52,8 @@ def main() -> int:
   ap.add_argument("--out", type=Path, required=True)
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--kernel-sets", default="", help="comma-separated Mosaic kernel sets (default: all)")
-  ap.add_argument("--quant", default="", help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8")
+  ap.add_argument("--quant", default="", help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8; "
+                  "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales)")
   ap.add_argument("--cases", default="4:balanced,32:balanced,32:skewed", help="comma-separated GROUPS:SIZES")
   args = ap.parse_args()
   cases = parse_cases(ap, args.cases)
@@ -62,6 +63,18 @@ def main() -> int:
   from MaxText.moe.gmm import mosaic
   from MaxText.quant import quantized_gmm
 
+  from MaxText.quant import fp8_blockwise
+
+  def quantised(q):  # "fp8_blockwise:ws_block_scales" names a kernel variant; plain names go through the registry
+    name, _, variant = q.partition(":")
+    return fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[variant])) if variant else quantized_gmm(name, "mosaic")
+
+  def known(q):
+    name, _, variant = q.partition(":")
+    return name == "mxfp8" and not variant or name == "fp8_blockwise" and (not variant or variant in fp8_blockwise.MOSAIC_VARIANTS)
+
+  if bad := [q for q in args.quant.split(",") if q and not known(q)]:
+    ap.error(f"--quant {','.join(bad)}: choose fp8_blockwise, mxfp8 or fp8_blockwise:VARIANT with VARIANT one of {', '.join(fp8_blockwise.MOSAIC_VARIANTS)}")
   kernel_sets = [k for k in args.kernel_sets.split(",") if k] or list(mosaic.KERNELS)
   if unknown := [k for k in kernel_sets if k not in mosaic.KERNELS]:
     ap.error(f"--kernel-sets {','.join(unknown)}: choose from {', '.join(mosaic.KERNELS)}")
@@ -73,7 +86,7 @@ def main() -> int:
     tiles = mosaic.tiles_for("fwd", k, n)
     case = {"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]), "runs": {}}
     variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in kernel_sets}
-    variants.update({f"mosaic+{q}": quantized_gmm(q, "mosaic") for q in args.quant.split(",") if q})
+    variants.update({f"mosaic+{q}": quantised(q) for q in args.quant.split(",") if q})
     for label, f in variants.items():
 
       @jax.jit

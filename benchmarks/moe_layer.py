@@ -46,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText import params  # noqa: E402
+from MaxText import params, profile  # noqa: E402
 from MaxText.config import load_config  # noqa: E402
 from MaxText.layers.mlp import mlp  # noqa: E402
 from MaxText.moe import permute, router  # noqa: E402
@@ -132,43 +132,9 @@ def check(shape: dict, backend: str, pads: list[int], tokens: int) -> list[dict]
 
 
 # ---- timing: whole layer from a profiler trace ----
-def hlo_stages(hlo_text: str) -> tuple[str, dict[str, str]]:
-  """Module name and {HLO instruction name: stage} from compiled HLO text (fusions vote by their body)."""
-  module = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.M).group(1)
-  own, calls, votes, current = {}, {}, defaultdict(lambda: defaultdict(int)), None
-  for line in hlo_text.splitlines():
-    head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-    if head and "=" not in line.split("{")[0]:
-      current = head.group(1)
-      continue
-    inst = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
-    if not inst:
-      continue
-    name = inst.group(1)
-    op_name = re.search(r'op_name="([^"]*)"', line)
-    scope = SCOPE.search(op_name.group(1)) if op_name else None
-    if scope:
-      own[name] = scope.group(1)
-      votes[current][scope.group(1)] += 1
-    called = re.search(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line)
-    if called:
-      calls[name] = called.group(1)
-  stages = dict(own)
-  for name, comp in calls.items():
-    if name not in stages and votes.get(comp):
-      stages[name] = max(votes[comp], key=votes[comp].get)
-  return module, stages
-
-
-def _hlo_op(event) -> str | None:
-  stats = dict(event.stats)
-  if "hlo_op" in stats:
-    return str(stats["hlo_op"])
-  for text in [event.name, *map(str, stats.values())]:
-    found = re.search(r"hlo_op=([^,#]+)", text)
-    if found:
-      return found.group(1)
-  return None
+def _stage(op_name: str) -> str | None:
+  found = SCOPE.search(op_name)
+  return found.group(1) if found else None
 
 
 def _iterations(events: list, iters: int) -> list[list]:
@@ -185,38 +151,19 @@ def _iterations(events: list, iters: int) -> list[list]:
 
 def trace_breakdown(compiled, args, iters: int) -> dict:
   """Median per-iteration device time per stage (ms) from a jax.profiler trace of `compiled`."""
-  from jax.profiler import ProfileData
-
-  module, stages = hlo_stages(compiled.as_text())
+  module, stages = profile.hlo_labels(compiled.as_text(), _stage)
   jax.block_until_ready(compiled(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
       for _ in range(iters):
         jax.block_until_ready(compiled(*args))
         time.sleep(0.002)  # an idle gap on the device between runs
-    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    data = ProfileData.from_file(files[0])
-  gpu = [pl for pl in data.planes if pl.name.startswith("/device:GPU")]
-  planes = gpu or [pl for pl in data.planes if pl.name.startswith("/host:CPU")]
+    raw, plane = profile.device_events(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0], module)
   events, unmatched = [], set()
-  for plane in planes:
-    lines = list(plane.lines)
-    if gpu and any(line.name.startswith("Stream") for line in lines):
-      lines = [line for line in lines if line.name.startswith("Stream")]  # kernels, not derived summary lines
-    for line in lines:
-      last_end = -1.0
-      for event in sorted(line.events, key=lambda e: e.start_ns):
-        op, stats = _hlo_op(event), dict(event.stats)
-        if event.start_ns < last_end or str(stats.get("hlo_module", module)) != module:
-          continue  # nested in an event already counted (CPU thunks nest), or another program
-        if op is None and not gpu:
-          continue  # host threads: only XLA's op events
-        last_end = event.start_ns + event.duration_ns
-        stage = stages.get(op, "other") if op else "unattributed"
-        unmatched.update([op] if op and stage == "other" else [])
-        events.append((event.start_ns, last_end, stage, op))
-  if not events:
-    raise RuntimeError(f"no device events of {module} in the trace (planes: {[p.name for p in data.planes]})")
+  for start, end, op in raw:
+    stage = stages.get(op, "other") if op else "unattributed"
+    unmatched.update([op] if op and stage == "other" else [])
+    events.append((start, end, stage, op))
   runs = _iterations(events, iters)
   out = {}
   for stage in (*STAGES, "other", "unattributed"):
@@ -233,7 +180,7 @@ def trace_breakdown(compiled, args, iters: int) -> dict:
   top = sorted(((stage, op, statistics.median(v)) for (stage, op), v in per_op.items()), key=lambda t: -t[2])
   out["top_ops"] = {stage: [[op, round(ms, 4)] for st, op, ms in top if st == stage][:8] for stage in (*STAGES, "other")}
   out["runs_found"] = len(runs)
-  out["plane"] = planes[0].name
+  out["plane"] = plane
   out["other_ops"] = sorted(unmatched)[:20]
   return out
 

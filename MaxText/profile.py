@@ -1,0 +1,212 @@
+"""Device profiles: where a compiled program's device time goes, by the model's named scopes.
+
+`profiler: xplane` (train.py) records `profiler_steps` training steps after `skip_first_n_steps_for_profiler`
+with jax.profiler into <run dir>/profile (open it in TensorBoard's profile plugin, XProf or Perfetto) and
+writes profile_summary.md/.json there: device time per step by scope (forward and backward apart), the
+longest HLO ops, and how busy the device was. `python -m MaxText.profile PROFILE_DIR` writes it again.
+
+Attribution: every device kernel event of the trace carries the HLO instruction it ran for (stat
+`hlo_op`); the compiled HLO gives that instruction's op_name, e.g.
+`jit(step)/transpose(jvp(decoder))/moe/gmm/dot_general`, whose innermost known scope names the part of
+the model, and `transpose(` marks the backward pass. A fusion without its own op_name takes the scope
+most of its body's instructions have. Device activity without an HLO op (memcpy, ...) is "unattributed".
+"""
+
+import gzip
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+# The model's named scopes (model.py, layers/, moe/, train_step.py), innermost first when they nest.
+SCOPES = (
+    "router", "permute", "gmm", "combine", "shared_experts", "ep_dispatch", "ep_combine",
+    "mla_q", "mla_kv", "attention", "attention_out", "mlp", "moe", "embed", "head", "mtp", "optimizer",
+)
+HLO_FILE = "step_hlo.txt.gz"
+STEPS_FILE = "profiled_steps.json"
+SUMMARY = "profile_summary"
+
+
+def hlo_labels(hlo_text: str, label_of: Callable[[str], str | None]) -> tuple[str, dict[str, str]]:
+  """Module name and {HLO instruction: label_of(its op_name)} from compiled HLO text; an instruction
+  without a label of its own (a fusion) takes the label most instructions of the computation it calls have."""
+  module = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.M).group(1)
+  own, calls, votes, current = {}, {}, defaultdict(lambda: defaultdict(int)), None
+  for line in hlo_text.splitlines():
+    head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and "=" not in line.split("{")[0]:
+      current = head.group(1)
+      continue
+    inst = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+    if not inst:
+      continue
+    name = inst.group(1)
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    label = label_of(op_name.group(1)) if op_name else None
+    if label:
+      own[name] = label
+      votes[current][label] += 1
+    called = re.search(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line)
+    if called:
+      calls[name] = called.group(1)
+  labels = dict(own)
+  for name, comp in calls.items():
+    if name not in labels and votes.get(comp):
+      labels[name] = max(votes[comp], key=votes[comp].get)
+  return module, labels
+
+
+def scope_label(op_name: str) -> str | None:
+  """'fwd gmm', 'bwd attention', ...: the innermost known scope of an op_name and the pass it is in
+  (the optimizer update is in neither)."""
+  parts = op_name.split("/")
+  for part in reversed(parts):
+    name = re.sub(r"^.*\(|\)+$", "", part)  # transpose(jvp(moe)) -> moe
+    if name == "optimizer":
+      return name
+    if name in SCOPES:
+      return ("bwd " if "transpose(" in op_name else "fwd ") + name
+  return None
+
+
+def _hlo_op(event) -> str | None:
+  stats = dict(event.stats)
+  if "hlo_op" in stats:
+    return str(stats["hlo_op"])
+  for text in [event.name, *map(str, stats.values())]:
+    found = re.search(r"hlo_op=([^,#]+)", text)
+    if found:
+      return found.group(1)
+  return None
+
+
+def device_events(xplane_file: str, module: str) -> tuple[list[tuple[int, int, str | None]], str]:
+  """(start_ns, end_ns, HLO op or None) of every device kernel of `module` in a jax.profiler xplane file,
+  and the plane they came from. Without GPU planes (CPU runs), XLA's op events on the host threads."""
+  from jax.profiler import ProfileData
+
+  data = ProfileData.from_file(xplane_file)
+  gpu = [pl for pl in data.planes if pl.name.startswith("/device:GPU")]
+  planes = gpu or [pl for pl in data.planes if pl.name.startswith("/host:CPU")]
+  events = []
+  for plane in planes:
+    lines = list(plane.lines)
+    if gpu and any(line.name.startswith("Stream") for line in lines):
+      lines = [line for line in lines if line.name.startswith("Stream")]  # kernels, not derived summary lines
+    for line in lines:
+      last_end = -1.0
+      for event in sorted(line.events, key=lambda e: e.start_ns):
+        op, stats = _hlo_op(event), dict(event.stats)
+        if event.start_ns < last_end or str(stats.get("hlo_module", module)) != module:
+          continue  # nested in an event already counted (CPU thunks nest), or another program
+        if op is None and not gpu:
+          continue  # host threads: only XLA's op events
+        last_end = event.start_ns + event.duration_ns
+        events.append((int(event.start_ns), int(last_end), op))
+  if not events:
+    raise RuntimeError(f"no device events of {module} in {xplane_file} (planes: {[p.name for p in data.planes]})")
+  return events, planes[0].name
+
+
+def busy_ns(events) -> int:
+  """Time at least one kernel was running (streams overlap: the union of the intervals)."""
+  total, end = 0, -1
+  for s, e, _ in sorted(events):
+    if e > end:
+      total += e - max(s, end)
+      end = e
+  return total
+
+
+def summarize(profile_dir: Path) -> dict:
+  """Writes profile_summary.json/.md into `profile_dir` (the trace, HLO_FILE and STEPS_FILE of a StepProfiler)."""
+  meta = json.loads((profile_dir / STEPS_FILE).read_text())
+  steps = meta["count"]
+  hlo_text = gzip.decompress((profile_dir / HLO_FILE).read_bytes()).decode()
+  module, labels = hlo_labels(hlo_text, scope_label)
+  files = sorted(profile_dir.rglob("*.xplane.pb"))
+  if not files:
+    raise FileNotFoundError(f"no *.xplane.pb under {profile_dir}")
+  events, plane = device_events(str(files[-1]), module)
+  per_label, per_op = defaultdict(float), defaultdict(float)
+  for s, e, op in events:
+    label = labels.get(op, "other") if op else "unattributed"
+    per_label[label] += (e - s) / 1e6 / steps
+    per_op[(op or "?", label)] += (e - s) / 1e6 / steps
+  kernel_ms = sum(per_label.values())
+  summary = {
+      "module": module, "plane": plane, "steps": steps,
+      "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps,
+      "kernel_ms_per_step": kernel_ms,
+      "step_ms_measured": 1e3 * meta["seconds_per_step"] if meta.get("seconds_per_step") else None,
+      "by_scope_ms": dict(sorted(per_label.items(), key=lambda kv: -kv[1])),
+      "top_ops": [[op, label, ms] for (op, label), ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:25]],
+  }
+  (profile_dir / f"{SUMMARY}.json").write_text(json.dumps(summary, indent=1))
+  (profile_dir / f"{SUMMARY}.md").write_text(render(summary))
+  return summary
+
+
+def render(summary: dict) -> str:
+  kernel_ms = summary["kernel_ms_per_step"] or 1.0
+  measured = f", measured step {summary['step_ms_measured']:.1f} ms" if summary["step_ms_measured"] else ""
+  lines = [f"# Device time per step ({summary['steps']} steps of {summary['module']}, {summary['plane']})", "",
+           f"Kernels {summary['kernel_ms_per_step']:.2f} ms, device busy {summary['device_busy_ms_per_step']:.2f} ms{measured}.", "",
+           "| scope | ms/step | share of kernel time |", "|---|---|---|"]
+  lines += [f"| {label} | {ms:.2f} | {100 * ms / kernel_ms:.1f}% |" for label, ms in summary["by_scope_ms"].items()]
+  lines += ["", "Longest HLO ops:", "", "| op | scope | ms/step |", "|---|---|---|"]
+  lines += [f"| {op} | {label} | {ms:.3f} |" for op, label, ms in summary["top_ops"]]
+  return "\n".join(lines) + "\n"
+
+
+class StepProfiler:
+  """Traces steps [first, first + count) of a training loop into `directory`, then summarises them."""
+
+  def __init__(self, directory: Path, first: int, count: int, hlo_text: str):
+    self.directory, self.first, self.count, self.started_at = directory, first, count, None
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / HLO_FILE).write_bytes(gzip.compress(hlo_text.encode()))
+    self._meta = {"first": first, "count": count}
+    (directory / STEPS_FILE).write_text(json.dumps(self._meta))
+
+  def before(self, step: int, state) -> None:
+    import jax
+
+    if step == self.first:
+      jax.block_until_ready(state)  # the trace holds these steps only
+      jax.profiler.start_trace(str(self.directory))
+      self.started_at = time.perf_counter()
+
+  def after(self, step: int, state) -> dict | None:
+    """The summary once the last profiled step is done, else None."""
+    import jax
+
+    if self.started_at is None or step != self.first + self.count - 1:
+      return None
+    jax.block_until_ready(state)
+    self._meta["seconds_per_step"] = (time.perf_counter() - self.started_at) / self.count  # with the profiler's overhead
+    self.started_at = None
+    jax.profiler.stop_trace()
+    (self.directory / STEPS_FILE).write_text(json.dumps(self._meta))
+    summary = summarize(self.directory)
+    print(f"profile of steps {self.first}-{step}: {self.directory / (SUMMARY + '.md')}", flush=True)
+    for label, ms in list(summary["by_scope_ms"].items())[:12]:
+      print(f"  {label:24s} {ms:9.2f} ms/step", flush=True)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) != 1 or not all((Path(argv[0]) / f).exists() for f in (HLO_FILE, STEPS_FILE)):
+    print(f"usage: python -m MaxText.profile PROFILE_DIR  (a run's profile directory, written by profiler=xplane: "
+          f"it holds {HLO_FILE}, {STEPS_FILE} and the trace)", file=sys.stderr)
+    return 2
+  print(render(summarize(Path(argv[0]))))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
