@@ -27,6 +27,8 @@ def format_line(step: int, m: dict) -> str:
     parts.append(f"ep sent {m['ep_sent_bytes'] / 2**20:,.1f} MiB (no dedup {m['ep_sent_bytes_nodedup'] / 2**20:,.1f})")
   if m.get("ep_overflow"):
     parts.append(f"EP OVERFLOW {m['ep_overflow']}")
+  if m.get("profiled"):
+    parts.append("profiling (time not representative)")
   return " | ".join(parts)
 
 

@@ -138,10 +138,13 @@ def summarize(profile_dir: Path) -> dict:
     per_label[label] += (e - s) / 1e6 / steps
     per_op[(op or "?", label)] += (e - s) / 1e6 / steps
   kernel_ms = sum(per_label.values())
+  graphs_ms = sum(ms for (op, _), ms in per_op.items() if op.startswith("command_buffer"))
   summary = {
       "module": module, "plane": plane, "steps": steps,
       "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps,
       "kernel_ms_per_step": kernel_ms,
+      # A CUDA graph (XLA command buffer) is one event in the trace: its kernels cannot be told apart.
+      "command_buffer_ms_per_step": graphs_ms,
       "step_ms_measured": 1e3 * meta["seconds_per_step"] if meta.get("seconds_per_step") else None,
       "by_scope_ms": dict(sorted(per_label.items(), key=lambda kv: -kv[1])),
       "top_ops": [[op, label, ms] for (op, label), ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:25]],
@@ -157,6 +160,9 @@ def render(summary: dict) -> str:
   lines = [f"# Device time per step ({summary['steps']} steps of {summary['module']}, {summary['plane']})", "",
            f"Kernels {summary['kernel_ms_per_step']:.2f} ms, device busy {summary['device_busy_ms_per_step']:.2f} ms{measured}.", "",
            "| scope | ms/step | share of kernel time |", "|---|---|---|"]
+  if summary.get("command_buffer_ms_per_step", 0) > 0.05 * kernel_ms:
+    lines[3:3] = [f"{summary['command_buffer_ms_per_step']:.1f} ms/step ran inside CUDA graphs (XLA command buffers) and count as "
+                  "'other': add no_command_buffers to xla_flag_presets to see them by scope.", ""]
   lines += [f"| {label} | {ms:.2f} | {100 * ms / kernel_ms:.1f}% |" for label, ms in summary["by_scope_ms"].items()]
   lines += ["", "Longest HLO ops:", "", "| op | scope | ms/step |", "|---|---|---|"]
   lines += [f"| {op} | {label} | {ms:.3f} |" for op, label, ms in summary["top_ops"]]
@@ -194,6 +200,9 @@ class StepProfiler:
     (self.directory / STEPS_FILE).write_text(json.dumps(self._meta))
     summary = summarize(self.directory)
     print(f"profile of steps {self.first}-{step}: {self.directory / (SUMMARY + '.md')}", flush=True)
+    if summary["command_buffer_ms_per_step"] > 0.05 * summary["kernel_ms_per_step"]:
+      print(f"  {summary['command_buffer_ms_per_step']:.1f} ms/step inside CUDA graphs cannot be split by scope: "
+            "add no_command_buffers to xla_flag_presets", flush=True)
     for label, ms in list(summary["by_scope_ms"].items())[:12]:
       print(f"  {label:24s} {ms:9.2f} ms/step", flush=True)
     return summary

@@ -214,6 +214,8 @@ def train(cfg: Config) -> list[dict]:
     now = time.perf_counter()
     step_time, last_done = now - last_done, now
     values.update(rates(step_time, tokens_per_step, mesh.size, flops_per_token, peak))
+    if profiler and profiler.first <= done_step <= profiler.first + profiler.count:
+      values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
     history.append({"step": done_step, **values})
     finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
     overflow = values.get("ep_overflow", 0)
@@ -280,12 +282,13 @@ def train(cfg: Config) -> list[dict]:
 
 
 def summarize(history: list[dict], compile_s: float) -> dict:
-  """Medians over the steps after the first two (which include warm-up), and peak device memory."""
+  """Medians over the steps after the first two (which include warm-up) and outside a profiled window,
+  and peak device memory."""
   import statistics
 
   import jax
 
-  steady = history[2:] or history
+  steady = [h for h in history[2:] if not h.get("profiled")] or history
   summary = {"steps": len(history), "compile_s": compile_s, "final_loss": history[-1]["loss"]}
   for key in ("step_time_s", "tokens_per_s_per_device", "tflops_per_device", "mfu"):
     values = [h[key] for h in steady if h.get(key) is not None]

@@ -8,6 +8,8 @@ heads. Attention is causal and, for packed rows, stays within a document
 (segment ids); with YaRN the softmax scale carries the mscale correction.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -59,15 +61,37 @@ def dot_product_attention(q, k, v, scale: float, segment_ids=None) -> jax.Array:
 
 
 def cudnn_flash_attention(q, k, v, scale: float, segment_ids=None) -> jax.Array:
-  """cuDNN fused flash attention (GPU only). It wants one head size for q, k and v, so v
-  (v_head_dim) is zero-padded to the q/k size (qk_nope + qk_rope) and the padding sliced off.
-  Packed rows are refused when the config is loaded (packing needs attention=dot_product)."""
+  """cuDNN fused flash attention (GPU only), causal. MLA's v head (v_head_dim) is narrower than q/k's
+  (qk_nope + qk_rope): cuDNN >= 9.10 on Hopper or later takes the two sizes as they are; older cuDNN
+  wants one size, so v is zero-padded to it and the padding sliced off (a third more work in the
+  softmax-times-v products and their gradients). Packed rows are refused when the config is loaded
+  (packing needs attention=dot_product)."""
   if segment_ids is not None:
     raise ValueError("cudnn_flash attention does not take segment ids; packing needs attention=dot_product")
+  if v.shape[-1] != q.shape[-1] and _cudnn_takes_mla():
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the public jax.nn API wants one head size
+
+    return cudnn.dot_product_attention(q, k, v, scale=scale, mask_type=cudnn.MaskType.CAUSAL, qkv_layout="BTNH")
+  return cudnn_flash_attention_padded(q, k, v, scale)
+
+
+def cudnn_flash_attention_padded(q, k, v, scale: float) -> jax.Array:
+  """cuDNN flash attention with v zero-padded to q/k's head size: every cuDNN version."""
   pad = q.shape[-1] - v.shape[-1]
   v_padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v
   out = jax.nn.dot_product_attention(q, k, v_padded, scale=scale, is_causal=True, implementation="cudnn")
   return out[..., : v.shape[-1]]
+
+
+@functools.cache
+def _cudnn_takes_mla() -> bool:
+  """cuDNN >= 9.10 on sm_90+: different q/k and v head sizes (jax's check_is_flash_attention)."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    return cudnn.check_cudnn_version() >= 91000 and cudnn.check_compute_capability("9.0")
+  except Exception:  # no cuDNN, or jax moved these helpers: the padded path works everywhere
+    return False
 
 
 ATTENTION = {"dot_product": dot_product_attention, "cudnn_flash": cudnn_flash_attention}
