@@ -39,6 +39,7 @@ class MosaicKernels:
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
     self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
     self.grid_block_n = grid_block_n
+    self.row_block_major = warp_specialized  # the wgrad kernel's operand layout: see wgrad
     self.row_kernel_options = {"b_block_scales": True} if b_block_scales else {}
     if warp_specialized:
       self._ragged, self._transposed = fp8_mosaic.scaled_ragged_dot_ws, fp8_mosaic.scaled_transposed_ragged_dot_ws
@@ -73,8 +74,11 @@ class MosaicKernels:
   def wgrad(self, xq, dyq, aligned_sizes, out_dtype):
     k, n = xq.q.shape[1], dyq.q.shape[1]
     bm, bn = self.block_m, self.block_n
-    a, sa = _pad(xq.q.T, 0, bm), _pad(xq.scale, 1, bm)
-    b, sb = _pad(dyq.q.T, 0, bn), _pad(dyq.scale, 1, bn)
+    if self.row_block_major:  # [R/128, K, 128]: each row block transposed on its own, one pass with the quantisation
+      a, b = (_pad(q.reshape(-1, FP8_BLOCK, q.shape[1]).transpose(0, 2, 1), 1, block) for q, block in ((xq.q, bm), (dyq.q, bn)))
+    else:  # [K, R]
+      a, b = _pad(xq.q.T, 0, bm), _pad(dyq.q.T, 0, bn)
+    sa, sb = _pad(xq.scale, 1, bm), _pad(dyq.scale, 1, bn)
     dw = self._transposed(
         a, sa, b, sb, aligned_sizes, block_m=bm, block_n=bn, out_dtype=out_dtype, interpret=self.interpret, **self.pipeline
     )

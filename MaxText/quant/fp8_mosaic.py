@@ -307,17 +307,22 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
 
 def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=1, out_dtype=jnp.bfloat16, interpret=False):
   """scaled_transposed_ragged_dot, warp-specialized like scaled_ragged_dot_ws: (block_m, block_n) tiles
-  of each group's weight gradient, K steps over the group's 128-row blocks."""
+  of each group's weight gradient, K steps over the group's 128-row blocks.
+
+  Operands are row-block-major: a [R/128, K, 128] (x's rows j*128..j*128+127 of column k at a[j, k]),
+  b [R/128, N, 128]; each TMA load takes one row block of block_m columns, contraction contiguous as
+  fp8 wgmma wants. XLA writes this layout in the quantisation pass itself; a plain [K, R] transpose
+  costs it a second pass over the operand (benchmarks/results/2026-12-03-h200-fp8-block-scales)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   from MaxText.moe.gmm import mosaic_kernels
 
-  k, rows = a.shape
-  n, rows2 = b.shape
+  row_blocks, k, a_block = a.shape
+  row_blocks2, n, b_block = b.shape
   g = group_sizes.shape[0]
-  if rows != rows2 or rows % BLOCK_K or k % block_m or n % block_n or block_m % 128:
-    raise ValueError(f"scaled_transposed_ragged_dot_ws: a {a.shape}, b {b.shape}: rows must match and be a multiple of {BLOCK_K}; K of block_m={block_m} (a multiple of 128), N of block_n={block_n}")
+  if row_blocks != row_blocks2 or a_block != BLOCK_K or b_block != BLOCK_K or k % block_m or n % block_n or block_m % 128:
+    raise ValueError(f"scaled_transposed_ragged_dot_ws: a {a.shape}, b {b.shape}: [row blocks, K or N, {BLOCK_K}] with the same row blocks; K a multiple of block_m={block_m} (itself of 128), N of block_n={block_n}")
   half_m, stages = block_m // 2, max_concurrent_steps
   sizes = group_sizes.astype(jnp.int32)
   first_blocks = (jnp.cumsum(sizes) - sizes) // BLOCK_K
@@ -335,10 +340,10 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
       def load(info, j, slot, barrier):
         gi, ki, ni = info
         jb = first_blocks_gmem[gi] + j
-        ks, cols, rs = pl.ds(ki * block_m, block_m), pl.ds(ni * block_n, block_n), pl.ds(pl.multiple_of(jb * BLOCK_K, BLOCK_K), BLOCK_K)
-        plgpu.copy_gmem_to_smem(a_gmem.at[ks, rs], a_smem.at[slot], barrier)
+        ks, cols = pl.ds(ki * block_m, block_m), pl.ds(ni * block_n, block_n)
+        plgpu.copy_gmem_to_smem(a_gmem.at[jb, ks], a_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(sa_gmem.at[pl.ds(jb, 1), ks], sa_smem.at[slot], barrier)
-        plgpu.copy_gmem_to_smem(b_gmem.at[cols, rs], b_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(b_gmem.at[jb, cols], b_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(sb_gmem.at[pl.ds(jb, 1), cols], sb_smem.at[slot], barrier)
 
       def store(info, acc, wg):  # an empty group stores its zero carry: its gradient is zero
