@@ -134,6 +134,8 @@ class OptimizerConfig:
   adam_eps: float = at_least(0.0, strict=True)
   adam_weight_decay: float = at_least(0.0)
   gradient_clipping_threshold: float = at_least(0.0)
+  mu_dtype: str = choice("", "float32", "bfloat16")
+  nu_dtype: str = choice("", "float32", "bfloat16")
 
 
 @dataclass(frozen=True, kw_only=True)
