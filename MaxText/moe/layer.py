@@ -48,11 +48,15 @@ def moe_specs(emb_dim: int, cfg: MoEConfig) -> dict:
   return specs
 
 
-def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm) -> jax.Array:
+def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q=None) -> jax.Array:
+  """rows_q: the rows already quantised (fp8_blockwise with quantize_before_permute), for gate and up."""
   with jax.named_scope("gmm"):
     # Checkpoint names (MaxText/remat.py): top-k times the tokens, the largest activations of the layer.
-    gate = checkpoint_name(gmm(rows, p["wi_0"], group_sizes), "moe_mlpwi_0")
-    up = checkpoint_name(gmm(rows, p["wi_1"], group_sizes), "moe_mlpwi_1")
+    if rows_q is None:
+      gate, up = gmm(rows, p["wi_0"], group_sizes), gmm(rows, p["wi_1"], group_sizes)
+    else:
+      gate, up = (gmm.from_quantized_rows(rows, rows_q, p[k], group_sizes) for k in ("wi_0", "wi_1"))
+    gate, up = checkpoint_name(gate, "moe_mlpwi_0"), checkpoint_name(up, "moe_mlpwi_1")
     return checkpoint_name(gmm(jax.nn.silu(gate) * up, p["wo"], group_sizes), "moe_mlpwo")
 
 
@@ -76,9 +80,16 @@ def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[
     out = out if shared is None else out + shared
     return out, MoEStats(load, jnp.zeros((), jnp.int32), balance, overflow, sent, nodedup)
   dispatcher = get_dispatcher(cfg.moe_dispatch, cfg.capacity_factor, cfg.moe_group_pad_multiple)
+  gmm = quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels)
+  rows_q = None
   with jax.named_scope("permute"):
     dispatched = dispatcher.dispatch(tokens, r.expert_ids, cfg.num_experts)
-  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels))
+    if cfg.quantize_before_permute and hasattr(gmm, "from_quantized_rows") and hasattr(dispatcher, "rows_of"):
+      # 1x128 scales along the hidden axis are per token: quantise the tokens once and move fp8 rows
+      # (the top-k copies' quantisation pass and the bf16 row gather are then dead code).
+      tq = gmm.quantize_rows(tokens)
+      rows_q = tq._replace(q=dispatcher.rows_of(tq.q, dispatched), scale=dispatcher.rows_of(tq.scale, dispatched))
+  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, gmm, rows_q)
   with jax.named_scope("combine"):
     out = dispatcher.combine(y, r.weights, dispatched).reshape(batch, seq, d)
   if shared is not None:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from MaxText.moe.gmm import vjp
 from MaxText.quant import fp8_mosaic, fp8_reference
-from MaxText.quant.formats import FP8_BLOCK, Quantized, activation_quantize, blockwise_quantize, weight_quantize
+from MaxText.quant.formats import FP8_BLOCK, Quantized, activation_quantize, blockwise_quantize, dequantize, weight_quantize
 from MaxText.quant.groups import align_groups, to_aligned
 
 
@@ -99,7 +99,19 @@ WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_block_scales"])
 
 
 def make_gmm(kernels):
-  """The fp8_blockwise grouped GEMM over `kernels` (an object with fwd, dgrad, wgrad), with its VJP."""
+  """The fp8_blockwise grouped GEMM over `kernels` (an object with fwd, dgrad, wgrad), with its VJP.
+
+  gmm(x, w, group_sizes) quantises x itself. gmm.from_quantized_rows(x, xq, w, group_sizes) takes x's rows
+  already quantised (1x128 along K: row-local, so the tokens can be quantised once before the permute and
+  the fp8 rows gathered, moe/layer.py): x's value is not read, only its cotangent returned, so the bf16
+  permute that made it is dead code in the forward. The weight gradient then contracts the dequantised
+  fp8 rows, requantised in 128x1 tiles along rows, as DeepSeek-V3 does with its cached fp8 activations."""
+
+  def wgrad(x, dy, group_sizes, w_dtype):
+    aligned = align_groups(group_sizes, x.shape[0], FP8_BLOCK)
+    xq = blockwise_quantize(to_aligned(x, aligned), {0: FP8_BLOCK})
+    dyq = blockwise_quantize(to_aligned(dy, aligned), {0: FP8_BLOCK})
+    return kernels.wgrad(xq, dyq, aligned.group_sizes, w_dtype)
 
   def forward(x, w, group_sizes):
     return vjp.typed(kernels.fwd(activation_quantize(x, 1), weight_quantize(w), group_sizes, x.dtype), x, w, group_sizes)
@@ -111,14 +123,31 @@ def make_gmm(kernels):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)
     dx = kernels.dgrad(activation_quantize(dy, 1), weight_quantize(w), group_sizes, x.dtype)
-    aligned = align_groups(group_sizes, x.shape[0], FP8_BLOCK)
-    xq = blockwise_quantize(to_aligned(x, aligned), {0: FP8_BLOCK})
-    dyq = blockwise_quantize(to_aligned(dy, aligned), {0: FP8_BLOCK})
-    dw = kernels.wgrad(xq, dyq, aligned.group_sizes, w.dtype)
+    dw = wgrad(x, dy, group_sizes, w.dtype)
     # Typed for shard_map (expert parallelism): see gmm/vjp.py.
     dx, dw = vjp.typed(dx, dy, w, group_sizes, like=x), vjp.typed(dw, x, dy, group_sizes, like=w)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
   gmm = jax.custom_vjp(forward)
   gmm.defvjp(gmm_fwd, gmm_bwd)
+
+  rows_blocks = ((1, FP8_BLOCK),)  # activation_quantize(x, 1) of [rows, K]
+
+  def quantized_rows_forward(x, q, scale, w, group_sizes):
+    return kernels.fwd(Quantized(q, scale, rows_blocks), weight_quantize(w), group_sizes, x.dtype)
+
+  def quantized_rows_fwd(x, q, scale, w, group_sizes):
+    return quantized_rows_forward(x, q, scale, w, group_sizes), (q, scale, w, group_sizes)
+
+  def quantized_rows_bwd(res, dy):  # dy has x's dtype (the output's)
+    q, scale, w, group_sizes = res
+    dx = kernels.dgrad(activation_quantize(dy, 1), weight_quantize(w), group_sizes, dy.dtype)
+    dw = wgrad(dequantize(Quantized(q, scale, rows_blocks), dy.dtype), dy, group_sizes, w.dtype)
+    # The quantised rows come from stop_gradient'ed tokens: nothing flows back through them.
+    return dx, jnp.zeros_like(q), jnp.zeros_like(scale), dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+
+  from_rows = jax.custom_vjp(quantized_rows_forward)
+  from_rows.defvjp(quantized_rows_fwd, quantized_rows_bwd)
+  gmm.from_quantized_rows = lambda x, xq, w, group_sizes: from_rows(x, xq.q, xq.scale, w, group_sizes)
+  gmm.quantize_rows = lambda x: activation_quantize(jax.lax.stop_gradient(x), 1)
   return gmm

@@ -25,5 +25,10 @@ class SortDispatcher:
     rows = permute.permute(x, plan)
     return Dispatched(rows, plan.group_sizes, jnp.zeros((), jnp.int32), plan)
 
+  def rows_of(self, a: jax.Array, dispatched: Dispatched) -> jax.Array:
+    """Any per-token array [tokens, ...] laid out as dispatch laid out x (padding rows zero); no gradient."""
+    plan = dispatched.context
+    return permute.gather_rows(a, plan.row_copy // plan.dest.shape[1])
+
   def combine(self, y: jax.Array, weights: jax.Array, dispatched: Dispatched) -> jax.Array:
     return permute.unpermute(y, weights, dispatched.context)
