@@ -97,6 +97,12 @@ class Checkpointer:
     )
     handlers = {"state": ocp.StandardCheckpointHandler(), "data": ProcessJsonHandler(), "config": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    # Orbax removes an earlier run's unfinished saves in a background thread that neither close() nor
+    # wait_until_finished() joins; a process exiting soon after (a refused resume) would tear the thread
+    # down mid-way and print its traceback. The removal is quick: finish it here.
+    join_cleanup = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+    if join_cleanup is not None:
+      join_cleanup()
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step() if self.directory.is_dir() else None
