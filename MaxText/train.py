@@ -11,9 +11,11 @@ Exit codes: 0 finished; 2 bad input (one `error:` line, nothing written);
 143 stopped by SIGTERM after saving a checkpoint (run the same command to resume).
 """
 
+import contextlib
 import json
 import math
 import platform
+import shutil
 import signal
 import sys
 import time
@@ -39,6 +41,29 @@ def make_run_dir(run_dir: Path, resumable: bool) -> Path:
     raise UserError(f"run directory {run_dir} already holds a run; choose another run_name or remove it")
   run_dir.mkdir(parents=True, exist_ok=True)
   return run_dir
+
+
+@contextlib.contextmanager
+def out_of_memory_is_a_user_error(run_dir: Path, fresh: bool):
+  """Device out of memory (at compile or at a step) becomes one UserError line with what to change.
+
+  If no step was logged yet, the run directory this run made is removed again, so that the same
+  run_name can be tried with smaller settings.
+  """
+  import jax
+
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if not str(e).startswith("RESOURCE_EXHAUSTED"):
+      raise
+    metrics = run_dir / "metrics.jsonl"
+    if fresh and not (metrics.exists() and metrics.stat().st_size):
+      shutil.rmtree(run_dir, ignore_errors=True)
+    what = str(e).split("\n")[0].split(" [")[0].removeprefix("RESOURCE_EXHAUSTED: ")
+    raise UserError(f"the device ran out of memory ({what}); lower per_device_batch_size, recompute more "
+                    "(remat_policy=full) or offload activations, or let JAX use more of the GPU (env_presets=mem_fraction_95); "
+                    "python -m MaxText.aot RECIPE --gpu ... shows the memory plan before a run") from None
 
 
 def describe(cfg: Config, trainer, flops_per_token: float) -> str:
@@ -173,112 +198,114 @@ def train(cfg: Config) -> list[dict]:
     raise UserError(f"profiler={t.profiler}: steps {first_profiled}-{first_profiled + t.profiler_steps - 1} would be profiled but the run ends "
                     f"at step {t.steps - 1}; lower skip_first_n_steps_for_profiler or profiler_steps, or raise steps")
 
-  make_run_dir(run_dir, resumable=ckpt is not None)
-  (run_dir / "config.yml").write_text(cfg.to_yaml())
-  (run_dir / "environment.json").write_text(json.dumps(environment(), indent=1))
-  print(f"run directory: {run_dir}")
-  print(describe(cfg, trainer, flops_per_token), flush=True)
-  print(f"{remat.describe(cfg.model)}; state in host memory: {trainer.host_offload_description()}")
-  print("environment in force: " + (" ".join(f"{k}={v!r}" for k, v in runtime_env.in_force().items()) or "no XLA_*/CUDA_*/NCCL_*/JAX_* variables"), flush=True)
+  fresh = not run_dir.exists()
+  with out_of_memory_is_a_user_error(run_dir, fresh):
+    make_run_dir(run_dir, resumable=ckpt is not None)
+    (run_dir / "config.yml").write_text(cfg.to_yaml())
+    (run_dir / "environment.json").write_text(json.dumps(environment(), indent=1))
+    print(f"run directory: {run_dir}")
+    print(describe(cfg, trainer, flops_per_token), flush=True)
+    print(f"{remat.describe(cfg.model)}; state in host memory: {trainer.host_offload_description()}")
+    print("environment in force: " + (" ".join(f"{k}={v!r}" for k, v in runtime_env.in_force().items()) or "no XLA_*/CUDA_*/NCCL_*/JAX_* variables"), flush=True)
 
-  state, start = initial_state(cfg, trainer, ckpt, start, data, abstract)
-  batch = trainer.device_batch(next(data))
-  compile_start = time.perf_counter()
-  with progress("Compiling the training step", t.compile_heartbeat_seconds):
-    step_fn = trainer.jit_step().lower(state, batch).compile()
-  compile_s = time.perf_counter() - compile_start
-  mem = step_fn.memory_analysis()
-  if mem is not None:
-    print(f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
-          f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
-          f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB")
+    state, start = initial_state(cfg, trainer, ckpt, start, data, abstract)
+    batch = trainer.device_batch(next(data))
+    compile_start = time.perf_counter()
+    with progress("Compiling the training step", t.compile_heartbeat_seconds):
+      step_fn = trainer.jit_step().lower(state, batch).compile()
+    compile_s = time.perf_counter() - compile_start
+    mem = step_fn.memory_analysis()
+    if mem is not None:
+      print(f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
+            f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
+            f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB")
 
-  profiler = None
-  if t.profiler and jax.process_index() == 0:
-    from MaxText.profile import StepProfiler
+    profiler = None
+    if t.profiler and jax.process_index() == 0:
+      from MaxText.profile import StepProfiler
 
-    profiler = StepProfiler(run_dir / "profile", first_profiled, t.profiler_steps, step_fn.as_text())
-  tokens_per_step = trainer.global_batch * seq
-  writer = MetricsWriter(run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
-  history = []
-  pending = None  # (step, metrics on device): fetched one step late so the device never waits for the host
-  last_done = time.perf_counter()
+      profiler = StepProfiler(run_dir / "profile", first_profiled, t.profiler_steps, step_fn.as_text())
+    tokens_per_step = trainer.global_batch * seq
+    writer = MetricsWriter(run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
+    history = []
+    pending = None  # (step, metrics on device): fetched one step late so the device never waits for the host
+    last_done = time.perf_counter()
 
-  def fetch_and_log():
-    nonlocal pending, last_done
-    if pending is None:
-      return
-    done_step, done_metrics = pending
-    pending = None
-    values = {k: v.item() for k, v in jax.device_get(done_metrics).items()}
-    now = time.perf_counter()
-    step_time, last_done = now - last_done, now
-    values.update(rates(step_time, tokens_per_step, mesh.size, flops_per_token, peak))
-    if profiler and profiler.first <= done_step <= profiler.first + profiler.count:
-      values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
-    history.append({"step": done_step, **values})
-    finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
-    overflow = values.get("ep_overflow", 0)
-    if done_step % t.log_period == 0 or done_step == t.steps - 1 or not finite or overflow:
-      writer.write(done_step, values)
-      writer.flush()
-    if overflow:
-      raise EpBufferOverflow(f"step {done_step}: {overflow} token copies did not fit the expert-parallel buffers "
-                             f"(moe_ep_buffer_factor={cfg.moe.moe_ep_buffer_factor}); the update was not applied and nothing was saved "
-                             "after it. Raise moe_ep_buffer_factor, or set it to -1 (worst-case buffers, never overflow)")
-    if not finite:
-      what = f"step {done_step}: loss {values['loss']}, grad norm {values['grad_norm']}"
-      if t.nan_policy == "skip":
-        print(f"{what}: not finite; step skipped, state unchanged (nan_policy=skip)", flush=True)
+    def fetch_and_log():
+      nonlocal pending, last_done
+      if pending is None:
         return
-      good = ckpt.last_saved if ckpt and ckpt.last_saved is not None else (start or None)
-      last = f"the last checkpoint is step {good} in {ckpt.directory}" if ckpt and good else "there is no checkpoint"
-      raise NonFiniteLoss(f"{what}: not finite; stopped (nan_policy=stop); {last}. "
-                          "Resume from it with a lower learning_rate, or set nan_policy=skip")
+      done_step, done_metrics = pending
+      pending = None
+      values = {k: v.item() for k, v in jax.device_get(done_metrics).items()}
+      now = time.perf_counter()
+      step_time, last_done = now - last_done, now
+      values.update(rates(step_time, tokens_per_step, mesh.size, flops_per_token, peak))
+      if profiler and profiler.first <= done_step <= profiler.first + profiler.count:
+        values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
+      history.append({"step": done_step, **values})
+      finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
+      overflow = values.get("ep_overflow", 0)
+      if done_step % t.log_period == 0 or done_step == t.steps - 1 or not finite or overflow:
+        writer.write(done_step, values)
+        writer.flush()
+      if overflow:
+        raise EpBufferOverflow(f"step {done_step}: {overflow} token copies did not fit the expert-parallel buffers "
+                               f"(moe_ep_buffer_factor={cfg.moe.moe_ep_buffer_factor}); the update was not applied and nothing was saved "
+                               "after it. Raise moe_ep_buffer_factor, or set it to -1 (worst-case buffers, never overflow)")
+      if not finite:
+        what = f"step {done_step}: loss {values['loss']}, grad norm {values['grad_norm']}"
+        if t.nan_policy == "skip":
+          print(f"{what}: not finite; step skipped, state unchanged (nan_policy=skip)", flush=True)
+          return
+        good = ckpt.last_saved if ckpt and ckpt.last_saved is not None else (start or None)
+        last = f"the last checkpoint is step {good} in {ckpt.directory}" if ckpt and good else "there is no checkpoint"
+        raise NonFiniteLoss(f"{what}: not finite; stopped (nan_policy=stop); {last}. "
+                            "Resume from it with a lower learning_rate, or set nan_policy=skip")
 
-  stopped_at = None
-  try:
-    with Preemption() as preemption:
-      for step in range(start, t.steps):
-        if profiler:
-          profiler.before(step, state)
-        state, metrics = step_fn(state, batch)
-        if profiler:
-          profiler.after(step, state)
-        done = step + 1  # state.step once this step has run
-        stop = preemption.should_stop(done)
-        save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
-        if save or stop:
-          # Only a state whose update was finite is saved: fetch this step's metrics first.
-          fetch_and_log()
-          pending = (step, metrics)
-          fetch_and_log()
-          if save:
-            ckpt.save(done, state, data.get_state())
-        if stop:
-          stopped_at = done
-          break
-        if done < t.steps:
-          batch = trainer.device_batch(next(data))
-        if not save:
-          fetch_and_log()
-          pending = (step, metrics)
-      fetch_and_log()
-  finally:
-    writer.close()
-    if ckpt is not None:
-      ckpt.wait()
-      ckpt.close()
-  jax.block_until_ready(state)
-  summary = summarize(history, compile_s) if history else {"steps": 0, "compile_s": compile_s}
-  if stopped_at is not None:
-    summary["stopped"] = f"SIGTERM at step {stopped_at}"
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-  print("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()), flush=True)
-  if stopped_at is not None:
-    saved = f"checkpoint saved at step {stopped_at} in {ckpt.directory}" if ckpt else "no checkpoint (enable_checkpointing=false)"
-    raise Preempted(f"SIGTERM: stopped after step {stopped_at - 1}; {saved}", history)
-  return history
+    stopped_at = None
+    try:
+      with Preemption() as preemption:
+        for step in range(start, t.steps):
+          if profiler:
+            profiler.before(step, state)
+          state, metrics = step_fn(state, batch)
+          if profiler:
+            profiler.after(step, state)
+          done = step + 1  # state.step once this step has run
+          stop = preemption.should_stop(done)
+          save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
+          if save or stop:
+            # Only a state whose update was finite is saved: fetch this step's metrics first.
+            fetch_and_log()
+            pending = (step, metrics)
+            fetch_and_log()
+            if save:
+              ckpt.save(done, state, data.get_state())
+          if stop:
+            stopped_at = done
+            break
+          if done < t.steps:
+            batch = trainer.device_batch(next(data))
+          if not save:
+            fetch_and_log()
+            pending = (step, metrics)
+        fetch_and_log()
+    finally:
+      writer.close()
+      if ckpt is not None:
+        ckpt.wait()
+        ckpt.close()
+    jax.block_until_ready(state)
+    summary = summarize(history, compile_s) if history else {"steps": 0, "compile_s": compile_s}
+    if stopped_at is not None:
+      summary["stopped"] = f"SIGTERM at step {stopped_at}"
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()), flush=True)
+    if stopped_at is not None:
+      saved = f"checkpoint saved at step {stopped_at} in {ckpt.directory}" if ckpt else "no checkpoint (enable_checkpointing=false)"
+      raise Preempted(f"SIGTERM: stopped after step {stopped_at - 1}; {saved}", history)
+    return history
 
 
 def summarize(history: list[dict], compile_s: float) -> dict:

@@ -94,3 +94,39 @@ def test_relative_output_directory_checkpoints(tiny_config, tmp_path, monkeypatc
   monkeypatch.chdir(tmp_path)  # `make train` uses base_output_directory=runs, relative to the working directory
   train(tiny_config("steps=2", "per_device_batch_size=1", "max_target_length=16", "base_output_directory=runs", "run_name=rel"))
   assert (tmp_path / "runs" / "rel" / "checkpoints" / "2").is_dir()
+
+
+OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 105.30GiB with allocator GPU_0_bfc on device 0. [executable_name='jit_step']"
+
+
+def test_out_of_memory_is_one_line_and_a_fresh_run_directory_is_removed(tmp_path):
+  from MaxText.errors import UserError
+  from MaxText.train import out_of_memory_is_a_user_error
+
+  run_dir = tmp_path / "fresh"
+  with pytest.raises(UserError) as e:
+    with out_of_memory_is_a_user_error(run_dir, fresh=True):
+      run_dir.mkdir()
+      (run_dir / "config.yml").write_text("x")
+      (run_dir / "metrics.jsonl").write_text("")  # the writer opened it; no step was logged
+      raise jax.errors.JaxRuntimeError(OOM)
+  assert "ran out of memory (Out of memory while trying to allocate 105.30GiB" in str(e.value)
+  assert "per_device_batch_size" in str(e.value) and "\n" not in str(e.value)
+  assert not run_dir.exists()  # the same run_name can be tried again
+
+
+def test_out_of_memory_keeps_a_run_directory_with_logged_steps_and_other_errors_pass(tmp_path):
+  from MaxText.errors import UserError
+  from MaxText.train import out_of_memory_is_a_user_error
+
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+  with pytest.raises(UserError):
+    with out_of_memory_is_a_user_error(run_dir, fresh=True):
+      raise jax.errors.JaxRuntimeError(OOM)
+  assert (run_dir / "metrics.jsonl").exists()
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    with out_of_memory_is_a_user_error(run_dir, fresh=True):
+      raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+  assert run_dir.exists()
