@@ -62,7 +62,10 @@ def _merge(xb: jax.Array, shape: tuple[int, ...], blocks) -> jax.Array:
 
 def _block_amax(x: jax.Array, blocks) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
   xb, inner = _split(x.astype(jnp.float32), blocks)
-  amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)  # NaN if the block holds a NaN
+  amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
+  # NaN if the block holds a NaN, said explicitly: XLA:CPU's vectorised max reduction skips NaNs
+  # (its fast min/max), so the max alone gives the NaN on some shapes and not on others.
+  amax = jnp.where(jnp.all(jnp.isfinite(xb), axis=inner, keepdims=True), amax, jnp.nan)
   return xb, amax, inner
 
 
