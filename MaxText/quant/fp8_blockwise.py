@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.moe.gmm import vjp
-from MaxText.quant import fp8_mosaic, fp8_reference, quantize_kernel
+from MaxText.quant import fp8_mosaic, fp8_reference
 from MaxText.quant.formats import FP8_BLOCK, Quantized, activation_quantize, blockwise_quantize, dequantize, weight_quantize
 from MaxText.quant.groups import Aligned, align_groups, to_aligned
 
@@ -23,23 +23,6 @@ from MaxText.quant.groups import Aligned, align_groups, to_aligned
 def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
   extra = -a.shape[axis] % multiple
   return a if not extra else jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
-
-
-def align_all_rows(group_sizes: jax.Array, rows: int) -> Aligned:
-  """Rows aligned per group to 128 for the weight gradient (groups.py). Rows past the groups' total (an
-  expert-parallel buffer's tail) form one more group at the end, so that every row has a place; the
-  weight gradient reads only the first len(group_sizes) groups."""
-  sizes = group_sizes.astype(jnp.int32)
-  return align_groups(jnp.append(sizes, rows - jnp.sum(sizes)), rows, FP8_BLOCK)
-
-
-def quantize_rows_and_columns(kernels, a: jax.Array, aligned: Aligned) -> tuple[Quantized, Quantized]:
-  """a [rows, K] in 1x128 tiles along K (forward/dgrad operand) and its aligned rows in 128x1 tiles
-  (wgrad operand): in one pass by the kernel set's fused quantisation where it has one, else in jnp."""
-  fused = getattr(kernels, "quantize_rows_and_columns", None)
-  if fused is not None and quantize_kernel.supported(a.shape):
-    return fused(a, aligned)
-  return activation_quantize(a, 1), blockwise_quantize(to_aligned(a, aligned), {0: FP8_BLOCK})
 
 
 class MosaicKernels:
@@ -50,16 +33,9 @@ class MosaicKernels:
   # Untuned on hardware: sweep with benchmarks/grouped_gemm.py --quant --fp8-tiles.
   # b_block_scales (warp-specialized, block_n 128): fwd/dgrad take the weights' 128x128 block scales as
   # they are, one per tile and K step, instead of one per column (fp8_mosaic.scaled_ragged_dot_ws).
-  # fused_quantize (warp-specialized): activations quantised both ways in one pass (quantize_kernel.py),
-  # the wgrad operand written row-block-major by it.
-  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False,
-               fused_quantize=False):
+  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False):
     if b_block_scales and not (warp_specialized and block_n == FP8_BLOCK):
       raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n={FP8_BLOCK}")
-    if fused_quantize and not warp_specialized:
-      raise ValueError("fused_quantize writes the warp-specialized wgrad kernel's operand layout: it needs warp_specialized")
-    if fused_quantize:
-      self.quantize_rows_and_columns = lambda a, aligned: quantize_kernel.quantize_rows_and_columns(a, aligned, interpret=bool(interpret))
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
     self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
     self.grid_block_n = grid_block_n
@@ -98,8 +74,8 @@ class MosaicKernels:
   def wgrad(self, xq, dyq, aligned_sizes, out_dtype):
     k, n = xq.q.shape[1], dyq.q.shape[1]
     bm, bn = self.block_m, self.block_n
-    if self.row_block_major:  # [R/128, K, 128]: each row block transposed on its own (or so already: fused_quantize)
-      a, b = (_pad(q if q.ndim == 3 else q.reshape(-1, FP8_BLOCK, q.shape[1]).transpose(0, 2, 1), 1, block) for q, block in ((xq.q, bm), (dyq.q, bn)))
+    if self.row_block_major:  # [R/128, K, 128]: each row block transposed on its own, one pass with the quantisation
+      a, b = (_pad(q.reshape(-1, FP8_BLOCK, q.shape[1]).transpose(0, 2, 1), 1, block) for q, block in ((xq.q, bm), (dyq.q, bn)))
     else:  # [K, R]
       a, b = _pad(xq.q.T, 0, bm), _pad(dyq.q.T, 0, bn)
     sa, sb = _pad(xq.scale, 1, bm), _pad(dyq.scale, 1, bn)
@@ -114,13 +90,12 @@ MOSAIC_VARIANTS = {
     "plain": {},
     "ws": {"block_m": 128, "warp_specialized": True},
     "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},
-    "ws_fused_quantize": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
 }
 KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plain"])}
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws). On an H200 (gate_up, G=8) the
 # block-scale fwd/dgrad kernels take 1.85 ms where per-column scales take 2.22 ms, bf16 2.6-2.8 ms
 # (benchmarks/results/2026-12-03-h200-fp8-block-scales).
-WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_fused_quantize"])
+WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_block_scales"])
 
 
 def make_gmm(kernels):
@@ -135,26 +110,34 @@ def make_gmm(kernels):
   def forward(x, w, group_sizes):
     return vjp.typed(kernels.fwd(activation_quantize(x, 1), weight_quantize(w), group_sizes, x.dtype), x, w, group_sizes)
 
+  def columns(a, aligned):
+    """a's rows aligned per group, in 128x1 tiles: the wgrad operand."""
+    return blockwise_quantize(to_aligned(a, aligned), {0: FP8_BLOCK})
+
+  def quantize_both(a, aligned):
+    """a [rows, K] in 1x128 tiles along K (forward/dgrad operand), and as the wgrad operand."""
+    return activation_quantize(a, 1), columns(a, aligned)
+
   def backward(x_like, x_cols, aligned, w, group_sizes, dy):
     """dx, dw from x's aligned rows in 128x1 tiles; x_like [0, K] carries x's dtype and shard_map type."""
     dy = dy.astype(x_like.dtype)
-    dyq, dy_cols = quantize_rows_and_columns(kernels, dy, aligned)
+    dyq, dy_cols = quantize_both(dy, aligned)
     dx = kernels.dgrad(dyq, weight_quantize(w), group_sizes, x_like.dtype)
-    dw = kernels.wgrad(x_cols, dy_cols, aligned.group_sizes[:-1], w.dtype)
+    dw = kernels.wgrad(x_cols, dy_cols, aligned.group_sizes, w.dtype)
     # Typed for shard_map (expert parallelism): see gmm/vjp.py.
     return vjp.typed(dx, dy, w, group_sizes, like=x_like), vjp.typed(dw, x_cols.q, dy, group_sizes, like=w)
 
-  # x is quantised both ways in the forward, and only its fp8 wgrad operand is kept for the backward
-  # (half the bytes of x; DeepSeek-V3 keeps its activations in fp8 too).
+  # x is quantised both ways in the forward, and only its fp8 wgrad operand is kept for the backward:
+  # half the bytes of x (DeepSeek-V3 keeps its activations in fp8 too).
   def gmm_fwd(x, w, group_sizes):
-    aligned = align_all_rows(group_sizes, x.shape[0])
-    xq, x_cols = quantize_rows_and_columns(kernels, x, aligned)
+    aligned = align_groups(group_sizes, x.shape[0], FP8_BLOCK)
+    xq, x_cols = quantize_both(x, aligned)
     y = vjp.typed(kernels.fwd(xq, weight_quantize(w), group_sizes, x.dtype), x, w, group_sizes)
     return y, (x[:0], x_cols, aligned.source, aligned.group_sizes, w, group_sizes)
 
   def gmm_bwd(res, dy):
     x_like, x_cols, source, aligned_sizes, w, group_sizes = res
-    aligned = Aligned(None, source, aligned_sizes, source.shape[0])  # the row map back (dest) is not needed
+    aligned = Aligned(None, source, aligned_sizes, source.shape[0])  # the map back (dest) is not needed
     dx, dw = backward(x_like, x_cols, aligned, w, group_sizes, dy)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
@@ -171,10 +154,9 @@ def make_gmm(kernels):
 
   def quantized_rows_bwd(res, dy):  # dy has x's dtype (the output's)
     q, scale, w, group_sizes = res
-    aligned = align_all_rows(group_sizes, q.shape[0])
+    aligned = align_groups(group_sizes, q.shape[0], FP8_BLOCK)
     x = dequantize(Quantized(q, scale, rows_blocks), dy.dtype)
-    x_cols = blockwise_quantize(to_aligned(x, aligned), {0: FP8_BLOCK})
-    dx, dw = backward(x[:0], x_cols, aligned, w, group_sizes, dy)
+    dx, dw = backward(x[:0], columns(x, aligned), aligned, w, group_sizes, dy)
     # The quantised rows come from stop_gradient'ed tokens: nothing flows back through them.
     return dx, jnp.zeros_like(q), jnp.zeros_like(scale), dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
