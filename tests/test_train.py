@@ -115,7 +115,7 @@ def test_out_of_memory_is_one_line_and_a_fresh_run_directory_is_removed(tmp_path
   assert not run_dir.exists()  # the same run_name can be tried again
 
 
-def test_out_of_memory_keeps_a_run_directory_with_logged_steps_and_other_errors_pass(tmp_path):
+def test_out_of_memory_keeps_a_run_directory_with_steps_or_checkpoints_and_other_errors_pass(tmp_path):
   from MaxText.errors import UserError
   from MaxText.train import out_of_memory_is_a_user_error
 
@@ -126,6 +126,13 @@ def test_out_of_memory_keeps_a_run_directory_with_logged_steps_and_other_errors_
     with out_of_memory_is_a_user_error(run_dir, fresh=True):
       raise jax.errors.JaxRuntimeError(OOM)
   assert (run_dir / "metrics.jsonl").exists()
+  saved = tmp_path / "saved"  # a checkpoint written before any step was logged (log_period > checkpoint_period)
+  (saved / "checkpoints" / "5").mkdir(parents=True)
+  (saved / "metrics.jsonl").write_text("")
+  with pytest.raises(UserError):
+    with out_of_memory_is_a_user_error(saved, fresh=True):
+      raise jax.errors.JaxRuntimeError(OOM)
+  assert (saved / "checkpoints" / "5").is_dir()
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
     with out_of_memory_is_a_user_error(run_dir, fresh=True):
       raise jax.errors.JaxRuntimeError("INTERNAL: something else")
