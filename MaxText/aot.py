@@ -189,7 +189,9 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
   if state_on_gpu > budget:
     memory.update(host_offloaded=offloaded_state, peak=state_on_gpu)
     return {**report, "compiled": False, "fits": False}
-  return {**report, **compile_and_measure(cfg, trainer, state, batch, gpu, num_gpus, memory, offloaded_state), "compiled": True}
+  with compile_only.lowering_for(devices):
+    measured = compile_and_measure(cfg, trainer, state, batch, gpu, num_gpus, memory, offloaded_state)
+  return {**report, **measured, "compiled": True}
 
 
 def compile_and_measure(cfg, trainer, state, batch, gpu: str, num_gpus: int, memory: dict, offloaded_state: int) -> dict:

@@ -50,7 +50,8 @@ def np_mx(x: np.ndarray, block=32):
 
 
 def np_blockwise(x: np.ndarray, block_shape: tuple[int, int]):
-  """DeepSeek-V3 blocks over the last two axes: (dequantised values, float32 scales amax * fp32(1/448))."""
+  """DeepSeek-V3 blocks over the last two axes: (dequantised values, float32 scales amax * fp32(1/448), at
+  least 2^-126); elements v * (1/scale), the reciprocal and the product rounded to float32."""
   x = np.asarray(x, np.float32)
   bm, bn = block_shape
   m, n = x.shape[-2:]
@@ -64,9 +65,9 @@ def np_blockwise(x: np.ndarray, block_shape: tuple[int, int]):
       if not np.isfinite(amax):
         scales[(*idx, i, j)], out[sl] = np.nan, np.nan
         continue
-      s = np.float32(1.0) if amax == 0 else np.float32(amax) * np.float32(1 / E4M3_MAX)
+      s = np.float32(1.0) if amax == 0 else max(np.float32(amax) * np.float32(1 / E4M3_MAX), np.float32(2.0**-126))
       scales[(*idx, i, j)] = s
-      out[sl] = np_e4m3((v / s).astype(np.float64)) * np.float64(s)  # the quotient in float32, as stored
+      out[sl] = np_e4m3((v * (np.float32(1) / s)).astype(np.float64)) * np.float64(s)  # the product in float32
   return out, scales
 
 
@@ -107,11 +108,13 @@ def test_fp8_blockwise_matches_numpy_reference_for_activations_and_weights():
   x = awkward_values((5, 300), seed=1)
   x[0, :128] = 0.0
   x[1, 200], x[2, 10] = np.inf, np.nan
+  x[3, 128:256] = tiny = np.linspace(2e-38, 1e-37, 128, dtype=np.float32) * (-1) ** np.arange(128)  # amax/448 below 2^-126: the floor
   qt = formats.activation_quantize(jnp.asarray(x), axis=1)
   want, want_scale = np_blockwise(x, (1, 128))
   assert qt.scale.dtype == jnp.float32 and qt.scale.shape == (5, 3)
   np.testing.assert_array_equal(np.asarray(qt.scale), want_scale[:, :, 0] if want_scale.ndim == 3 else want_scale)
   np.testing.assert_array_equal(np.asarray(formats.dequantize(qt)), want.astype(np.float32))
+  assert float(qt.scale[3, 1]) == 2.0**-126 and np.all(np.asarray(formats.dequantize(qt))[3, 128:256][tiny != 0] != 0)
   assert float(qt.scale[0, 0]) == 1.0 and np.isnan(np.asarray(qt.scale[1, 1])) and np.isnan(np.asarray(formats.dequantize(qt))[2, :128]).all()
   # A NaN in a larger array: XLA:CPU's vectorised max reduction skips NaNs, the format must not
   big = np.ones((300, 256), np.float32)
@@ -271,6 +274,68 @@ def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode(variant, c
   assert "RACE DETECTED" not in capfd.readouterr().out  # the detector prints each race it finds
 
 
+def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
+  """The single-pass quantisation kernels (Triton; here in Pallas' interpreter) write exactly what formats.py
+  computes: weights' 128x128 blocks with the transposed copy, and activations in 1x128 tiles along K plus
+  their rows aligned per group in 128x1 tiles, row-block-major; zero, Inf and NaN blocks, an empty group and
+  rows past the groups' total included. (Bit-exactness on the GPU: tests/gpu/check_quantize_kernels.py.)"""
+  from MaxText.quant import quantize_kernels
+
+  def same(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+
+  w = awkward_values((2, 256, 384), seed=3)
+  w[0, :128, :128], w[1, 5, 300], w[0, 200, 10] = 0.0, np.nan, np.inf
+  wq, q_t = quantize_kernels.weight_quantize_both(jnp.asarray(w), interpret=True)
+  want = formats.weight_quantize(jnp.asarray(w))
+  assert same(wq.q, want.q) and same(wq.scale, want.scale) and same(q_t, jnp.swapaxes(want.q, 1, 2)) and wq.blocks == want.blocks
+  assert np.isnan(np.asarray(wq.scale)[1, 0, 2]) and float(wq.scale[0, 0, 0]) == 1.0
+
+  x = jnp.asarray(awkward_values((1000, 256), seed=4)).at[3, 7].set(jnp.nan).at[600:700, :].set(0.0)
+  sizes = jnp.array([100, 0, 517, 300], jnp.int32)  # 83 rows past the total
+  aligned = fp8_blockwise.align_all_rows(sizes, 1000)
+  rows, cols = quantize_kernels.quantize_rows_and_columns(x, aligned, interpret=True)
+  want_rows = formats.activation_quantize(x, 1)
+  want_cols = formats.blockwise_quantize(groups.to_aligned(x, aligned), {0: 128})
+  assert same(rows.q, want_rows.q) and same(rows.scale, want_rows.scale)
+  assert same(cols.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(cols.scale, want_cols.scale)
+  assert np.isnan(np.asarray(rows.scale)[3, 0]) and not np.isnan(np.asarray(rows.scale)[4]).any()
+  # the wgrad operand requantised from the fp8 rows (quantize_before_permute), through bf16 as the layer does
+  got = quantize_kernels.columns_from_rows(want_rows, aligned, jnp.bfloat16, interpret=True)
+  want_cols = fp8_blockwise.columns_from_rows(want_rows, aligned, jnp.bfloat16)
+  assert same(got.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(got.scale, want_cols.scale)
+
+
+def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
+  """ws_fused_quantize (Triton quantisation feeding the Mosaic kernels, both interpreted) against the jnp
+  reference GEMM, forward, dgrad and wgrad; widths in whole 128-blocks so the fused kernels are taken."""
+  plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  x, w, dy = _operands(seed=5, m=300, k=256, n=256, g=3)
+  sizes = jnp.array([130, 0, 150], jnp.int32)  # 20 rows past the total
+  kernels = fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS["ws_fused_quantize"], max_concurrent_steps=2, interpret=plgpu.InterpretGPUParams())
+  from MaxText.quant import quantize_kernels
+
+  calls = []
+  for name in ("weight_quantize_both", "quantize_rows_and_columns", "columns_from_rows"):
+    kernel = getattr(quantize_kernels, name)
+    monkeypatch.setattr(quantize_kernels, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
+  f, ref = fp8_blockwise.make_gmm(kernels), quant.quantized_gmm("fp8_blockwise", "xla")
+  got = _run(f, x, w, dy, sizes)
+  # w once (the backward reads its forward quantisation), x in the forward and dy in the backward
+  assert sorted(calls) == ["quantize_rows_and_columns"] * 2 + ["weight_quantize_both"], calls
+  want = _run(ref, x, w, dy, sizes)
+  for a, b in zip((got[0][:280], got[1][:280], got[2]), (want[0][:280], want[1][:280], want[2])):
+    assert _rel(a, b) < 1e-5
+  # rows quantised before the permute: the weight gradient's x operand is requantised from the fp8 rows
+  calls.clear()
+  got = _run(lambda x, w, s: f.from_quantized_rows(x, f.quantize_rows(x), w, s), x, w, dy, sizes)
+  assert sorted(calls) == ["columns_from_rows", "quantize_rows_and_columns", "weight_quantize_both"], calls
+  want = _run(lambda x, w, s: ref.from_quantized_rows(x, ref.quantize_rows(x), w, s), x, w, dy, sizes)
+  for a, b in zip((got[0][:280], got[1][:280], got[2]), (want[0][:280], want[1][:280], want[2])):
+    assert _rel(a, b) < 1e-5
+
+
 def test_registry_and_config_errors(tiny_config):
   from MaxText.errors import UserError
 
@@ -341,8 +406,9 @@ def test_tiny_recipe_300_steps_within_two_percent(tiny_config):
 # ---- GPU lowering ----
 def test_fp8_blockwise_kernels_compile_for_h200():
   """Forward, dgrad and wgrad of fp8_blockwise compile for a compile-only H200 (Mosaic GPU lowering checks
-  the fp8 wgmma operand layouts, shared memory and TMA shapes) at DeepSeek-V3's gate/up shape. (Widths
-  and row counts that are not tile multiples run in the interpreter test above.)"""
+  the fp8 wgmma operand layouts, shared memory and TMA shapes; Triton lowering the quantisation kernels) at
+  DeepSeek-V3's gate/up shape, from bf16 rows and from rows quantised before the permute. (Widths and row
+  counts that are not tile multiples run in the interpreter test above.)"""
   repo = Path(__file__).resolve().parents[1]
   site = Path(os.environ.get("MAXTEXT_GPU_AOT_SITE", repo / ".venv" / "gpu-aot"))
   if not (site / "jax_plugins").is_dir():
@@ -354,7 +420,11 @@ def test_fp8_blockwise_kernels_compile_for_h200():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     for shape, result in json.loads(lines[-1].removeprefix("RESULT ")).items():
-      assert result == {"device_kind": "NVIDIA H200", "mosaic_kernels": 3, "fp8_operands": True}, (kernels, shape)
+      # fwd, dgrad and wgrad for gmm and again for gmm.from_quantized_rows; the fused variant's quantisation
+      # kernels (Triton) besides: w, x, dy and the requantised fp8 rows, fewer where XLA merges equal calls.
+      fused = fp8_blockwise.MOSAIC_VARIANTS[kernels.split(":")[1]].get("fused_quantize", False)
+      assert result.pop("triton_kernels") in (range(4, 7) if fused else (0,)), (kernels, shape)
+      assert result == {"device_kind": "NVIDIA H200", "mosaic_kernels": 6, "fp8_operands": True}, (kernels, shape)
 
 
 @pytest.mark.parametrize("pad", [0, 8])

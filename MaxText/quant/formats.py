@@ -7,8 +7,11 @@
                  Inf or NaN gets the NaN scale (0xFF), so all its elements decode to NaN (as the
                  reference implementation, microsoft/microxcaling, does).
   fp8_blockwise  DeepSeek-V3 (arXiv 2412.19437, section 3.3): e4m3 elements, an fp32 scale
-                 amax / 448 (as amax * fp32(1/448)) per 1x128 tile of activations and per 128x128 block of weights. An
-                 all-zero block gets scale 1; a block holding Inf or NaN gets a NaN scale.
+                 amax / 448 (as amax * fp32(1/448), at least 2^-126) per 1x128 tile of activations and per
+                 128x128 block of weights; elements x * (1 / scale), the reciprocal rounded once per block
+                 (a multiply per element, as DeepSeek's reference does, so that fused GPU kernels and XLA
+                 agree bit for bit), rounded to nearest even and clamped to +-448. An all-zero block gets
+                 scale 1; a block holding Inf or NaN gets a NaN scale.
 
 Scales are stored as the factor that dequantises (x ~ q * scale): e8m0 for mxfp8, fp32 for blockwise.
 Shapes: q has x's shape; scales have x's shape with each blocked axis n replaced by ceil(n / block).
@@ -27,6 +30,7 @@ E8M0 = jnp.float8_e8m0fnu
 E8M0_MIN_EXP = -127
 MX_BLOCK = 32
 FP8_BLOCK = 128
+MIN_SCALE = 2.0**-126  # fp8_blockwise's smallest scale: the smallest normal float32
 
 
 class Quantized(NamedTuple):
@@ -61,10 +65,13 @@ def _merge(xb: jax.Array, shape: tuple[int, ...], blocks) -> jax.Array:
 
 
 def _block_amax(x: jax.Array, blocks) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
+  """x split into blocks, and each block's amax: NaN for a block holding Inf or NaN."""
   xb, inner = _split(x.astype(jnp.float32), blocks)
   amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
   # NaN if the block holds a NaN, said explicitly: XLA:CPU's vectorised max reduction skips NaNs
-  # (its fast min/max), so the max alone gives the NaN on some shapes and not on others.
+  # (its fast min/max), so the max alone gives the NaN on some shapes and not on others. (A NaN mapped
+  # to Inf inside the one max reduction made XLA:GPU transpose the activations before reducing them
+  # along rows: 1.6x slower.)
   amax = jnp.where(jnp.all(jnp.isfinite(xb), axis=inner, keepdims=True), amax, jnp.nan)
   return xb, amax, inner
 
@@ -104,14 +111,20 @@ def mx_quantize(x: jax.Array, axis: int = -1, block: int = MX_BLOCK) -> Quantize
 
 
 # ---- fp8 blockwise (DeepSeek-V3) ----
+def blockwise_scale(amax: jax.Array) -> jax.Array:
+  """The fp32 scale of blocks with this amax: amax * fp32(1/448) (XLA turns a division by a constant into
+  this product anyway), at least the smallest normal float so that its reciprocal is finite (GPUs may
+  flush a subnormal scale to zero); 1 for an all-zero block, NaN for one holding Inf or NaN."""
+  scale = jnp.where(amax == 0, 1.0, jnp.maximum(amax * jnp.float32(1.0 / E4M3_MAX), MIN_SCALE))
+  return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+
+
 def blockwise_quantize(x: jax.Array, blocks: dict[int, int]) -> Quantized:
   """e4m3 with an fp32 scale amax/448 per block; `blocks` maps axis -> block size."""
   blocks = _norm(blocks, x.ndim)
   xb, amax, inner = _block_amax(x, blocks)
-  # amax * fp32(1/448), written out: XLA turns a division by a constant into this product anyway.
-  scale = jnp.where(amax == 0, 1.0, amax * jnp.float32(1.0 / E4M3_MAX))
-  scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
-  q = _to_e4m3(xb / scale)
+  scale = blockwise_scale(amax)
+  q = _to_e4m3(xb * (1.0 / scale))
   q = jnp.where(jnp.isfinite(scale), q.astype(jnp.float32), jnp.nan).astype(E4M3)
   return Quantized(_merge(q, x.shape, blocks), jnp.squeeze(scale, inner), blocks)
 
@@ -119,6 +132,9 @@ def blockwise_quantize(x: jax.Array, blocks: dict[int, int]) -> Quantized:
 def activation_quantize(x: jax.Array, axis: int = -1) -> Quantized:
   """1x128 tiles along `axis` (the contraction axis)."""
   return blockwise_quantize(x, {axis: FP8_BLOCK})
+
+
+WEIGHT_BLOCKS = ((1, FP8_BLOCK), (2, FP8_BLOCK))  # weight_quantize's blocks of w [G, K, N]
 
 
 def weight_quantize(w: jax.Array) -> Quantized:

@@ -6,23 +6,44 @@
                                 so that no tile holds two experts' rows (quant/groups.py)
 
 Gradients pass straight through the quantisers; w stays in its own (master) dtype and is quantised
-on the fly each step. Kernels (`moe_gmm_backend`): `mosaic` runs the Hopper kernels with the scales
-applied in the kernel (fp8_mosaic.py); `xla` runs the same blockwise math in jnp (fp8_reference.py),
-for CPU and as the reference.
+on the fly each step, once: the backward reads the forward's fp8 weights. Kernels (`moe_gmm_backend`):
+`mosaic` runs the Hopper kernels with the scales applied in the kernel (fp8_mosaic.py), and under the
+warp-specialized kernel set quantises each tensor into both of its layouts in one pass
+(quantize_kernels.py); `xla` runs the same blockwise math in jnp (fp8_reference.py), for CPU and as
+the reference.
 """
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from MaxText.moe.gmm import vjp
-from MaxText.quant import fp8_mosaic, fp8_reference
-from MaxText.quant.formats import FP8_BLOCK, Quantized, activation_quantize, blockwise_quantize, dequantize, weight_quantize
+from MaxText.quant import fp8_mosaic, fp8_reference, quantize_kernels
+from MaxText.quant.formats import FP8_BLOCK, WEIGHT_BLOCKS, Quantized, activation_quantize, blockwise_quantize, dequantize, weight_quantize
 from MaxText.quant.groups import Aligned, align_groups, to_aligned
 
 
 def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
   extra = -a.shape[axis] % multiple
   return a if not extra else jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+
+
+def align_all_rows(group_sizes: jax.Array, rows: int) -> Aligned:
+  """Rows aligned per group to 128 for the weight gradient (groups.py). Rows past the groups' total (an
+  expert-parallel buffer's tail) form one more group at the end, so that every row has a place (the fused
+  quantisation writes every row); the weight gradient reads only the first len(group_sizes) groups."""
+  sizes = group_sizes.astype(jnp.int32)
+  return align_groups(jnp.append(sizes, rows - jnp.sum(sizes)), rows, FP8_BLOCK)
+
+
+class QuantizedWeight(NamedTuple):
+  """formats.weight_quantize(w) and its values transposed [G, N, K], the forward kernel's K-major operand."""
+
+  q: jax.Array
+  scale: jax.Array
+  blocks: tuple
+  q_t: jax.Array
 
 
 class MosaicKernels:
@@ -33,10 +54,16 @@ class MosaicKernels:
   # Untuned on hardware: sweep with benchmarks/grouped_gemm.py --quant --fp8-tiles.
   # b_block_scales (warp-specialized, block_n 128): fwd/dgrad take the weights' 128x128 block scales as
   # they are, one per tile and K step, instead of one per column (fp8_mosaic.scaled_ragged_dot_ws).
-  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False):
+  # fused_quantize (warp-specialized): weights and activations quantised into both of their layouts in one
+  # pass each (quantize_kernels.py), the wgrad operand written row-block-major by it.
+  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False,
+               fused_quantize=False):
     if b_block_scales and not (warp_specialized and block_n == FP8_BLOCK):
       raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n={FP8_BLOCK}")
+    if fused_quantize and not warp_specialized:
+      raise ValueError("fused_quantize writes the warp-specialized wgrad kernel's operand layout: it needs warp_specialized")
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
+    self.fused_quantize = fused_quantize
     self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
     self.grid_block_n = grid_block_n
     self.row_block_major = warp_specialized  # the wgrad kernel's operand layout: see wgrad
@@ -65,17 +92,34 @@ class MosaicKernels:
     )
     return y[:m, :n]
 
+  def weight_quantize(self, w: jax.Array) -> QuantizedWeight:
+    if self.fused_quantize and quantize_kernels.supported(*w.shape[1:]):
+      wq, q_t = quantize_kernels.weight_quantize_both(w, interpret=bool(self.interpret))
+      return QuantizedWeight(*wq, q_t)
+    wq = weight_quantize(w)
+    return QuantizedWeight(*wq, jnp.swapaxes(wq.q, 1, 2))  # computed only where the forward reads it
+
+  def quantize_both(self, a: jax.Array, aligned: Aligned) -> tuple[Quantized, Quantized]:
+    if self.fused_quantize and quantize_kernels.supported(a.shape[1]):
+      return quantize_kernels.quantize_rows_and_columns(a, aligned, interpret=bool(self.interpret))
+    return quantize_both(a, aligned)
+
+  def columns_from_rows(self, xq: Quantized, aligned: Aligned, dtype) -> Quantized:
+    if self.fused_quantize and quantize_kernels.supported(xq.q.shape[1]):
+      return quantize_kernels.columns_from_rows(xq, aligned, dtype, interpret=bool(self.interpret))
+    return columns_from_rows(xq, aligned, dtype)
+
   def fwd(self, xq, wq, group_sizes, out_dtype):
-    return self._rows(xq, jnp.swapaxes(wq.q, 1, 2), wq.scale, group_sizes, out_dtype)
+    return self._rows(xq, wq.q_t, wq.scale, group_sizes, out_dtype)
 
   def dgrad(self, dyq, wq, group_sizes, out_dtype):
     return self._rows(dyq, wq.q, jnp.swapaxes(wq.scale, 1, 2), group_sizes, out_dtype)
 
   def wgrad(self, xq, dyq, aligned_sizes, out_dtype):
-    k, n = xq.q.shape[1], dyq.q.shape[1]
+    k, n = xq.scale.shape[1], dyq.scale.shape[1]  # scales [R/128, K] whichever layout the values have
     bm, bn = self.block_m, self.block_n
     if self.row_block_major:  # [R/128, K, 128]: each row block transposed on its own, one pass with the quantisation
-      a, b = (_pad(q.reshape(-1, FP8_BLOCK, q.shape[1]).transpose(0, 2, 1), 1, block) for q, block in ((xq.q, bm), (dyq.q, bn)))
+      a, b = (_pad(rows_block_major(q), 1, block) for q, block in ((xq.q, bm), (dyq.q, bn)))
     else:  # [K, R]
       a, b = _pad(xq.q.T, 0, bm), _pad(dyq.q.T, 0, bn)
     sa, sb = _pad(xq.scale, 1, bm), _pad(dyq.scale, 1, bn)
@@ -85,17 +129,39 @@ class MosaicKernels:
     return dw[:, :k, :n]
 
 
+def rows_block_major(q: jax.Array) -> jax.Array:
+  """The wgrad operand's values [R, K] (aligned rows) as [R/128, K, 128]; the fused quantisation writes them so."""
+  return q if q.ndim == 3 else q.reshape(-1, FP8_BLOCK, q.shape[1]).transpose(0, 2, 1)
+
+
+def quantize_both(a, aligned):
+  """a [rows, K] in 1x128 tiles along K (forward/dgrad operand), and its aligned rows in 128x1 tiles (wgrad)."""
+  return activation_quantize(a, 1), columns(a, aligned)
+
+
+def columns(a, aligned):
+  """a's rows aligned per group, in 128x1 tiles: the wgrad operand."""
+  return blockwise_quantize(to_aligned(a, aligned), {0: FP8_BLOCK})
+
+
+def columns_from_rows(xq: Quantized, aligned: Aligned, dtype) -> Quantized:
+  """The wgrad operand from x's rows in 1x128 tiles along K, dequantised to `dtype` first."""
+  return columns(dequantize(xq, dtype), aligned)
+
+
 # The Mosaic kernel variants, by name, as the GPU checks, the lowering test and the benchmarks compare them.
 MOSAIC_VARIANTS = {
     "plain": {},
     "ws": {"block_m": 128, "warp_specialized": True},
     "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},
+    "ws_fused_quantize": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
 }
 KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plain"])}
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws). On an H200 (gate_up, G=8) the
 # block-scale fwd/dgrad kernels take 1.85 ms where per-column scales take 2.22 ms, bf16 2.6-2.8 ms
-# (benchmarks/results/2026-12-03-h200-fp8-block-scales).
-WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_block_scales"])
+# (benchmarks/results/2026-12-03-h200-fp8-block-scales); the fused quantisation passes take 1.5 ms of
+# fwd+bwd where XLA's take 2.2 (benchmarks/results/2026-12-03-h200-fp8-quantize-kernels).
+WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_fused_quantize"])
 
 
 def make_gmm(kernels):
@@ -107,38 +173,38 @@ def make_gmm(kernels):
   permute that made it is dead code in the forward. The weight gradient then contracts the dequantised
   fp8 rows, requantised in 128x1 tiles along rows, as DeepSeek-V3 does with its cached fp8 activations."""
 
+  # Kernel sets may quantise in fused passes (MosaicKernels.fused_quantize); the jnp reference does not.
+  quantize_w = getattr(kernels, "weight_quantize", weight_quantize)
+  quantize_a = getattr(kernels, "quantize_both", quantize_both)
+  requantize_columns = getattr(kernels, "columns_from_rows", columns_from_rows)
+
   def forward(x, w, group_sizes):
-    return vjp.typed(kernels.fwd(activation_quantize(x, 1), weight_quantize(w), group_sizes, x.dtype), x, w, group_sizes)
+    return vjp.typed(kernels.fwd(activation_quantize(x, 1), quantize_w(w), group_sizes, x.dtype), x, w, group_sizes)
 
-  def columns(a, aligned):
-    """a's rows aligned per group, in 128x1 tiles: the wgrad operand."""
-    return blockwise_quantize(to_aligned(a, aligned), {0: FP8_BLOCK})
-
-  def quantize_both(a, aligned):
-    """a [rows, K] in 1x128 tiles along K (forward/dgrad operand), and as the wgrad operand."""
-    return activation_quantize(a, 1), columns(a, aligned)
-
-  def backward(x_like, x_cols, aligned, w, group_sizes, dy):
-    """dx, dw from x's aligned rows in 128x1 tiles; x_like [0, K] carries x's dtype and shard_map type."""
+  def backward(x_like, x_cols, aligned, w, wq, group_sizes, dy):
+    """dx, dw from x's aligned rows in 128x1 tiles and w's quantisation from the forward (w's own values are
+    not read again); x_like [0, K] carries x's dtype and shard_map type."""
     dy = dy.astype(x_like.dtype)
-    dyq, dy_cols = quantize_both(dy, aligned)
-    dx = kernels.dgrad(dyq, weight_quantize(w), group_sizes, x_like.dtype)
-    dw = kernels.wgrad(x_cols, dy_cols, aligned.group_sizes, w.dtype)
+    dyq, dy_cols = quantize_a(dy, aligned)
+    dx = kernels.dgrad(dyq, wq, group_sizes, x_like.dtype)
+    dw = kernels.wgrad(x_cols, dy_cols, aligned.group_sizes[: group_sizes.shape[0]], w.dtype)
     # Typed for shard_map (expert parallelism): see gmm/vjp.py.
     return vjp.typed(dx, dy, w, group_sizes, like=x_like), vjp.typed(dw, x_cols.q, dy, group_sizes, like=w)
 
   # x is quantised both ways in the forward, and only its fp8 wgrad operand is kept for the backward:
-  # half the bytes of x (DeepSeek-V3 keeps its activations in fp8 too).
+  # half the bytes of x (DeepSeek-V3 keeps its activations in fp8 too). The weight is quantised once, in
+  # the forward; the dgrad reads its fp8 values (the layout it needs) from the residuals.
   def gmm_fwd(x, w, group_sizes):
-    aligned = align_groups(group_sizes, x.shape[0], FP8_BLOCK)
-    xq, x_cols = quantize_both(x, aligned)
-    y = vjp.typed(kernels.fwd(xq, weight_quantize(w), group_sizes, x.dtype), x, w, group_sizes)
-    return y, (x[:0], x_cols, aligned.source, aligned.group_sizes, w, group_sizes)
+    aligned = align_all_rows(group_sizes, x.shape[0])
+    xq, x_cols = quantize_a(x, aligned)
+    wq = quantize_w(w)
+    y = vjp.typed(kernels.fwd(xq, wq, group_sizes, x.dtype), x, w, group_sizes)
+    return y, (x[:0], x_cols, aligned.source, aligned.group_sizes, w, wq.q, wq.scale, group_sizes)
 
   def gmm_bwd(res, dy):
-    x_like, x_cols, source, aligned_sizes, w, group_sizes = res
+    x_like, x_cols, source, aligned_sizes, w, wq, w_scale, group_sizes = res
     aligned = Aligned(None, source, aligned_sizes, source.shape[0])  # the map back (dest) is not needed
-    dx, dw = backward(x_like, x_cols, aligned, w, group_sizes, dy)
+    dx, dw = backward(x_like, x_cols, aligned, w, Quantized(wq, w_scale, WEIGHT_BLOCKS), group_sizes, dy)
     return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
   gmm = jax.custom_vjp(forward)
@@ -147,16 +213,19 @@ def make_gmm(kernels):
   rows_blocks = ((1, FP8_BLOCK),)  # activation_quantize(x, 1) of [rows, K]
 
   def quantized_rows_forward(x, q, scale, w, group_sizes):
-    return kernels.fwd(Quantized(q, scale, rows_blocks), weight_quantize(w), group_sizes, x.dtype)
+    return kernels.fwd(Quantized(q, scale, rows_blocks), quantize_w(w), group_sizes, x.dtype)
 
   def quantized_rows_fwd(x, q, scale, w, group_sizes):
-    return quantized_rows_forward(x, q, scale, w, group_sizes), (q, scale, w, group_sizes)
+    wq = quantize_w(w)
+    y = kernels.fwd(Quantized(q, scale, rows_blocks), wq, group_sizes, x.dtype)
+    return y, (q, scale, w, wq.q, wq.scale, group_sizes)
 
   def quantized_rows_bwd(res, dy):  # dy has x's dtype (the output's)
-    q, scale, w, group_sizes = res
-    aligned = align_groups(group_sizes, q.shape[0], FP8_BLOCK)
-    x = dequantize(Quantized(q, scale, rows_blocks), dy.dtype)
-    dx, dw = backward(x[:0], columns(x, aligned), aligned, w, group_sizes, dy)
+    q, scale, w, wq, w_scale, group_sizes = res
+    aligned = align_all_rows(group_sizes, q.shape[0])
+    x_cols = requantize_columns(Quantized(q, scale, rows_blocks), aligned, dy.dtype)
+    x_like = jnp.zeros((0, q.shape[1]), dy.dtype)  # x's dtype (dy's) and, through vjp.typed's inputs, its type
+    dx, dw = backward(vjp.typed(x_like, q), x_cols, aligned, w, Quantized(wq, w_scale, WEIGHT_BLOCKS), group_sizes, dy)
     # The quantised rows come from stop_gradient'ed tokens: nothing flows back through them.
     return dx, jnp.zeros_like(q), jnp.zeros_like(scale), dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 

@@ -28,7 +28,8 @@ def compile_train_step(cfg, mesh) -> tuple:
   trainer = Trainer(cfg, mesh)
   b, s = trainer.global_batch, cfg.train.max_target_length
   batch = Batch(jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.float32))
-  compiled = trainer.jit_step().lower(trainer.abstract_state(), batch).compile()
+  with compile_only.lowering_for(mesh.devices.flat):
+    compiled = trainer.jit_step().lower(trainer.abstract_state(), batch).compile()
   return compiled.as_text(), compiled.memory_analysis()
 
 

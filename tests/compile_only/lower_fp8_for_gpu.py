@@ -3,7 +3,7 @@ JSON; run by tests/test_quant.py in a subprocess whose PYTHONPATH holds the CUDA
 
   python tests/compile_only/lower_fp8_for_gpu.py fp8_blockwise[:VARIANT]|mxfp8 [MxKxNxG ...]   (default 4096x7168x4096x8)
 
-fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales); a bare
+fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize); a bare
 fp8_blockwise is what quantization=fp8_blockwise runs by default.
 """
 
@@ -30,13 +30,19 @@ def compile_one(fmt: str, m: int, k: int, n: int, g: int) -> dict:
 
   def fwd_bwd(x, w, sizes, dy):
     y, pullback = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
-    return (y, *pullback(dy))
+    out = (y, *pullback(dy))
+    if hasattr(f, "from_quantized_rows"):  # quantize_before_permute's entry: x's rows quantised already
+      y, pullback = jax.vjp(lambda x, w: f.from_quantized_rows(x, f.quantize_rows(x), w, sizes), x, w)
+      out += (y, *pullback(dy))
+    return out
 
   S = jax.ShapeDtypeStruct
   args = (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32), S((m, n), jnp.bfloat16))
-  compiled = jax.jit(fwd_bwd, in_shardings=(s,) * 4).lower(*args).compile()
+  with compile_only.lowering_for(devices):
+    compiled = jax.jit(fwd_bwd, in_shardings=(s,) * 4).lower(*args).compile()
   text = compiled.as_text()
-  return {"device_kind": devices[0].device_kind, "mosaic_kernels": text.count('custom_call_target="mosaic_gpu'), "fp8_operands": "f8e4m3fn" in text}
+  return {"device_kind": devices[0].device_kind, "mosaic_kernels": text.count('custom_call_target="mosaic_gpu'),
+          "triton_kernels": text.count('custom_call_target="__gpu$xla.gpu.triton'), "fp8_operands": "f8e4m3fn" in text}
 
 
 if __name__ == "__main__":

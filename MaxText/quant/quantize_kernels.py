@@ -1,0 +1,164 @@
+"""fp8_blockwise's quantisation passes as single-pass GPU kernels (Pallas Triton), for the Hopper GEMMs.
+
+The fp8 wgmma reads both operands K-major, so each tensor is needed in two layouts:
+
+  weight_quantize_both(w)          w [G, K, N] in 128x128 blocks -> q [G, K, N] (dgrad) and q^T [G, N, K]
+                                   (forward), one read of w
+  quantize_rows_and_columns(x, a)  x [rows, K] -> 1x128 tiles along K (forward/dgrad operand) and its rows
+                                   aligned per group in 128x1 tiles, row-block-major [padded/128, K, 128]
+                                   (wgrad operand), one read of x
+  columns_from_rows(xq, a, dtype)  the same wgrad operand from x's fp8 rows (quantize_before_permute keeps
+                                   only those), one read of the fp8 rows
+
+Written in jnp (formats.py) XLA runs these as separate amax reductions, quantisations and transposes
+(about three passes over w and four over x). Numerics are formats.blockwise_quantize's, bit for bit:
+scale amax * fp32(1/448) floored at 2^-126 (1 for an all-zero block, NaN for one holding Inf/NaN),
+elements x * (1 / scale) with the reciprocal correctly rounded, clamped to +-448, rounded to nearest
+even. tests/gpu/check_quantize_kernels.py checks that against XLA on the GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from MaxText.moe.gmm import vjp
+from MaxText.quant.formats import E4M3, E4M3_MAX, FP8_BLOCK, MIN_SCALE, WEIGHT_BLOCKS, Quantized
+from MaxText.quant.groups import Aligned
+
+B = FP8_BLOCK
+ROWS_BLOCKS = ((1, B),)  # 1x128 tiles along K of x [rows, K]
+COLUMNS_BLOCKS = ((0, B),)  # 128x1 tiles along rows
+
+
+def supported(*dims: int) -> bool:
+  """Whether the kernels take these widths: whole 128-blocks (DeepSeek-V3's 7168, 4096 and 2048 are)."""
+  return all(d % B == 0 for d in dims)
+
+
+def _reciprocal(scale: jax.Array, interpret: bool) -> jax.Array:
+  if interpret:
+    return 1.0 / scale
+  # Triton's f32 division is approximate (div.full.f32); the format's reciprocal is correctly rounded.
+  return plt.elementwise_inline_asm("rcp.rn.f32 $0, $1;", args=[scale], constraints="=f,f", pack=1,
+                                    result_shape_dtypes=[jax.ShapeDtypeStruct(scale.shape, jnp.float32)])[0]
+
+
+def _quantize(x: jax.Array, axis, interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """x [128, 128] f32, blocks along `axis` (None: the whole tile) -> (e4m3 values, f32 scales [128] or [1, 1])."""
+  # A NaN counts as Inf (formats._block_amax): one max reduction, whatever the backend's max does with NaN.
+  magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+  if axis is None:  # kept 2-D: Triton broadcasts [1, 1] to the tile, not a scalar
+    amax = jnp.max(jnp.max(magnitude, axis=1)[None, :], axis=1)[:, None]
+  else:
+    amax = jnp.max(magnitude, axis=axis)
+  bad = amax == jnp.inf
+  scale = jnp.where(amax == 0, 1.0, jnp.maximum(amax * jnp.float32(1.0 / E4M3_MAX), MIN_SCALE))
+  scale = jnp.where(bad, jnp.nan, scale)
+  expand = (lambda v: v) if axis is None else (lambda v: jnp.expand_dims(v, axis))
+  value = jnp.clip(x * expand(_reciprocal(scale, interpret)), -E4M3_MAX, E4M3_MAX)
+  value = jnp.where(expand(bad), jnp.nan, value)  # a clamp by min/max may have dropped the NaN
+  return value.astype(E4M3), scale
+
+
+def _weight_kernel(w_ref, q_ref, qt_ref, s_ref, *, interpret: bool):
+  q, scale = _quantize(w_ref[...].astype(jnp.float32), None, interpret)
+  q_ref[...] = q
+  qt_ref[...] = q.T
+  s_ref[...] = scale
+
+
+def weight_quantize_both(w: jax.Array, interpret: bool = False, num_warps: int = 8) -> tuple[Quantized, jax.Array]:
+  """w [G, K, N] (K, N multiples of 128) -> (formats.weight_quantize(w), its values transposed [G, N, K])."""
+  g, k, n = w.shape
+  block = pl.BlockSpec((None, B, B), lambda e, i, j: (e, i, j))
+  q, qt, scale = pl.pallas_call(
+      lambda *refs: _weight_kernel(*refs, interpret=interpret),
+      out_shape=(jax.ShapeDtypeStruct((g, k, n), E4M3), jax.ShapeDtypeStruct((g, n, k), E4M3),
+                 jax.ShapeDtypeStruct((g, k // B, n // B), jnp.float32)),
+      grid=(g, k // B, n // B),
+      in_specs=[block],
+      out_specs=(block, pl.BlockSpec((None, B, B), lambda e, i, j: (e, j, i)), pl.BlockSpec((None, 1, 1), lambda e, i, j: (e, i, j))),
+      interpret=interpret,
+      name="fp8_weight_quantize_both",
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+  )(w)
+  # Typed as w for shard_map (expert parallelism): a Pallas kernel's outputs carry no varying axes.
+  q, qt, scale = (vjp.typed(a, w) for a in (q, qt, scale))
+  return Quantized(q, scale, WEIGHT_BLOCKS), qt
+
+
+def _rows_and_columns_kernel(source_ref, x_ref, rows_q_ref, rows_s_ref, cols_q_ref, cols_s_ref, *, rows: int, interpret: bool):
+  block, j = pl.program_id(0), pl.program_id(1)
+  source = source_ref[pl.ds(block * B, B)]  # the rows of x this aligned row block holds
+  valid = source < rows  # the others (index `rows`) are the alignment's zero rows: masked, never touched
+  columns = pl.ds(j * B, B)
+  tile = (source[:, None], j * B + jnp.arange(B, dtype=jnp.int32)[None, :])  # gathered rows x columns
+  x = plt.load(x_ref.at[tile], mask=valid[:, None], other=0).astype(jnp.float32)
+  q, scale = _quantize(x, 0, interpret)
+  cols_q_ref[block, columns, :] = q.T
+  cols_s_ref[block, columns] = scale
+  q, scale = _quantize(x, 1, interpret)
+  plt.store(rows_q_ref.at[tile], q, mask=valid[:, None])
+  plt.store(rows_s_ref.at[source, j], scale, mask=valid)
+
+
+def _columns_from_rows_kernel(source_ref, q_ref, s_ref, cols_q_ref, cols_s_ref, *, rows: int, dtype, interpret: bool):
+  block, j = pl.program_id(0), pl.program_id(1)
+  source = source_ref[pl.ds(block * B, B)]
+  valid = source < rows
+  tile = (source[:, None], j * B + jnp.arange(B, dtype=jnp.int32)[None, :])
+  # Masked lanes are zeroed after the load: Triton cannot fill an fp8 load with a constant.
+  q = jnp.where(valid[:, None], plt.load(q_ref.at[tile], mask=valid[:, None]).astype(jnp.float32), 0.0)
+  scale = plt.load(s_ref.at[source, j], mask=valid, other=0.0)
+  x = (q * scale[:, None]).astype(dtype).astype(jnp.float32)  # formats.dequantize(.., dtype), then as x
+  q, scale = _quantize(x, 0, interpret)
+  cols_q_ref[block, pl.ds(j * B, B), :] = q.T
+  cols_s_ref[block, pl.ds(j * B, B)] = scale
+
+
+def columns_from_rows(rows_q: Quantized, aligned: Aligned, dtype, interpret: bool = False, num_warps: int = 8) -> Quantized:
+  """x's rows quantised in 1x128 tiles along K (q [rows, K], scale [rows, K/128]), dequantised to `dtype` and
+  requantised as the aligned rows in 128x1 tiles, row-block-major (as quantize_rows_and_columns' second
+  output): what DeepSeek-V3 does with its cached fp8 activations, reading the fp8 rows instead of x."""
+  rows, k = rows_q.q.shape
+  blocks = aligned.padded_rows // B
+  out_shape = (jax.ShapeDtypeStruct((blocks, k, B), E4M3), jax.ShapeDtypeStruct((blocks, k), jnp.float32))
+  outputs = pl.pallas_call(
+      lambda *refs: _columns_from_rows_kernel(*refs, rows=rows, dtype=dtype, interpret=interpret),
+      out_shape=out_shape,
+      grid=(blocks, k // B),
+      interpret=interpret,
+      name="fp8_requantize_columns",
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+  )(aligned.source, rows_q.q, rows_q.scale)
+  cols_q, cols_s = (vjp.typed(a, rows_q.q, aligned.source) for a in outputs)
+  return Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
+
+
+def quantize_rows_and_columns(x: jax.Array, aligned: Aligned, interpret: bool = False, num_warps: int = 8) -> tuple[Quantized, Quantized]:
+  """x [rows, K] (K a multiple of 128) and its alignment, every row placed (fp8_blockwise.align_all_rows) ->
+
+    (x in 1x128 tiles along K: q [rows, K], scale [rows, K/128]   as formats.activation_quantize(x, 1),
+     the aligned rows in 128x1 tiles: q [padded/128, K, 128] (row-block-major), scale [padded/128, K])
+
+  The second is formats.blockwise_quantize(to_aligned(x, aligned), {0: 128}) with q's row blocks transposed.
+  """
+  rows, k = x.shape
+  blocks = aligned.padded_rows // B
+  out_shape = (
+      jax.ShapeDtypeStruct((rows, k), E4M3),
+      jax.ShapeDtypeStruct((rows, k // B), jnp.float32),
+      jax.ShapeDtypeStruct((blocks, k, B), E4M3),
+      jax.ShapeDtypeStruct((blocks, k), jnp.float32),
+  )
+  outputs = pl.pallas_call(
+      lambda *refs: _rows_and_columns_kernel(*refs, rows=rows, interpret=interpret),
+      out_shape=out_shape,
+      grid=(blocks, k // B),
+      interpret=interpret,
+      name="fp8_quantize_rows_and_columns",
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),  # one 128x128 tile, no loop to pipeline
+  )(aligned.source, x)
+  rows_q, rows_s, cols_q, cols_s = (vjp.typed(a, x, aligned.source) for a in outputs)
+  return Quantized(rows_q, rows_s, ROWS_BLOCKS), Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
