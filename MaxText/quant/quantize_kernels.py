@@ -31,6 +31,12 @@ ROWS_BLOCKS = ((1, B),)  # 1x128 tiles along K of x [rows, K]
 COLUMNS_BLOCKS = ((0, B),)  # 128x1 tiles along rows
 
 
+def _out(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+  """An output of `shape` typed as `like` inside shard_map (expert parallelism), where Pallas needs the
+  outputs' varying mesh axes spelled out (check_vma)."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
+
+
 def supported(*dims: int) -> bool:
   """Whether the kernels take these widths: whole 128-blocks (DeepSeek-V3's 7168, 4096 and 2048 are)."""
   return all(d % B == 0 for d in dims)
@@ -74,8 +80,7 @@ def weight_quantize_both(w: jax.Array, interpret: bool = False, num_warps: int =
   block = pl.BlockSpec((None, B, B), lambda e, i, j: (e, i, j))
   q, qt, scale = pl.pallas_call(
       lambda *refs: _weight_kernel(*refs, interpret=interpret),
-      out_shape=(jax.ShapeDtypeStruct((g, k, n), E4M3), jax.ShapeDtypeStruct((g, n, k), E4M3),
-                 jax.ShapeDtypeStruct((g, k // B, n // B), jnp.float32)),
+      out_shape=(_out((g, k, n), E4M3, w), _out((g, n, k), E4M3, w), _out((g, k // B, n // B), jnp.float32, w)),
       grid=(g, k // B, n // B),
       in_specs=[block],
       out_specs=(block, pl.BlockSpec((None, B, B), lambda e, i, j: (e, j, i)), pl.BlockSpec((None, 1, 1), lambda e, i, j: (e, i, j))),
@@ -83,8 +88,6 @@ def weight_quantize_both(w: jax.Array, interpret: bool = False, num_warps: int =
       name="fp8_weight_quantize_both",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
   )(w)
-  # Typed as w for shard_map (expert parallelism): a Pallas kernel's outputs carry no varying axes.
-  q, qt, scale = (vjp.typed(a, w) for a in (q, qt, scale))
   return Quantized(q, scale, WEIGHT_BLOCKS), qt
 
 
@@ -123,7 +126,7 @@ def columns_from_rows(rows_q: Quantized, aligned: Aligned, dtype, interpret: boo
   output): what DeepSeek-V3 does with its cached fp8 activations, reading the fp8 rows instead of x."""
   rows, k = rows_q.q.shape
   blocks = aligned.padded_rows // B
-  out_shape = (jax.ShapeDtypeStruct((blocks, k, B), E4M3), jax.ShapeDtypeStruct((blocks, k), jnp.float32))
+  out_shape = (_out((blocks, k, B), E4M3, rows_q.q), _out((blocks, k), jnp.float32, rows_q.q))
   outputs = pl.pallas_call(
       lambda *refs: _columns_from_rows_kernel(*refs, rows=rows, dtype=dtype, interpret=interpret),
       out_shape=out_shape,
@@ -132,7 +135,7 @@ def columns_from_rows(rows_q: Quantized, aligned: Aligned, dtype, interpret: boo
       name="fp8_requantize_columns",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
   )(aligned.source, rows_q.q, rows_q.scale)
-  cols_q, cols_s = (vjp.typed(a, rows_q.q, aligned.source) for a in outputs)
+  cols_q, cols_s = (vjp.typed(a, aligned.source) for a in outputs)  # and as the alignment
   return Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
 
 
@@ -146,12 +149,7 @@ def quantize_rows_and_columns(x: jax.Array, aligned: Aligned, interpret: bool = 
   """
   rows, k = x.shape
   blocks = aligned.padded_rows // B
-  out_shape = (
-      jax.ShapeDtypeStruct((rows, k), E4M3),
-      jax.ShapeDtypeStruct((rows, k // B), jnp.float32),
-      jax.ShapeDtypeStruct((blocks, k, B), E4M3),
-      jax.ShapeDtypeStruct((blocks, k), jnp.float32),
-  )
+  out_shape = (_out((rows, k), E4M3, x), _out((rows, k // B), jnp.float32, x), _out((blocks, k, B), E4M3, x), _out((blocks, k), jnp.float32, x))
   outputs = pl.pallas_call(
       lambda *refs: _rows_and_columns_kernel(*refs, rows=rows, interpret=interpret),
       out_shape=out_shape,
@@ -160,5 +158,5 @@ def quantize_rows_and_columns(x: jax.Array, aligned: Aligned, interpret: bool = 
       name="fp8_quantize_rows_and_columns",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),  # one 128x128 tile, no loop to pipeline
   )(aligned.source, x)
-  rows_q, rows_s, cols_q, cols_s = (vjp.typed(a, x, aligned.source) for a in outputs)
+  rows_q, rows_s, cols_q, cols_s = (vjp.typed(a, aligned.source) for a in outputs)  # and as the alignment
   return Quantized(rows_q, rows_s, ROWS_BLOCKS), Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
