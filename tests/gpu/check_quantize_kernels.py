@@ -94,7 +94,10 @@ def main() -> int:
   ap.add_argument("--out", type=Path, required=True)
   ap.add_argument("--num-warps", default="", help="comma-separated warp counts to time the kernels at too (the default is 8)")
   args = ap.parse_args()
-  sweep = [int(v) for v in args.num_warps.split(",") if v]
+  try:
+    sweep = [int(v) for v in args.num_warps.split(",") if v]
+  except ValueError:
+    ap.error(f"--num-warps {args.num_warps}: comma-separated integers, e.g. 4,16")
   seed = int.from_bytes(os.urandom(4), "little")
   rng = np.random.default_rng(seed)
   results, ok = {"seed": seed, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "cases": []}, True
