@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from MaxText.moe.gmm import vjp
-from MaxText.quant.formats import E4M3, E4M3_MAX, FP8_BLOCK, MIN_SCALE, WEIGHT_BLOCKS, Quantized
+from MaxText.quant.formats import E4M3, E4M3_MAX, FP8_BLOCK, WEIGHT_BLOCKS, Quantized, blockwise_scale
 from MaxText.quant.groups import Aligned
 
 B = FP8_BLOCK
@@ -61,8 +61,7 @@ def _quantize(x: jax.Array, axis, interpret: bool) -> tuple[jax.Array, jax.Array
   else:
     amax = jnp.max(magnitude, axis=axis)
   bad = amax == jnp.inf
-  scale = jnp.where(amax == 0, 1.0, jnp.maximum(amax * jnp.float32(1.0 / E4M3_MAX), MIN_SCALE))
-  scale = jnp.where(bad, jnp.nan, scale)
+  scale = blockwise_scale(amax)  # the format's own definition: NaN where amax is Inf
   expand = (lambda v: v) if axis is None else (lambda v: jnp.expand_dims(v, axis))
   value = jnp.clip(x * expand(_reciprocal(scale, interpret)), -E4M3_MAX, E4M3_MAX)
   value = jnp.where(expand(bad), jnp.nan, value)  # a clamp by min/max may have dropped the NaN
