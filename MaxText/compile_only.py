@@ -1,4 +1,4 @@
-"""Compile-only GPU devices: compile for H100/H200 GPUs on a machine without them.
+"""Compile-only GPU devices: compile for H100/H200/B200 GPUs on a machine without them.
 
 XLA's CUDA plugin can describe a GPU topology from a target config (the device
 facts its compiler needs) instead of from attached GPUs; JAX's
@@ -21,17 +21,22 @@ class GpuSpec:
   sms: int = 132
   l2_bytes: int = 50 * 2**20
   clock_ghz: float = 1.98
+  capability: int = 9  # compute capability major: 9 Hopper, 10 Blackwell (sm_100)
 
 
-# Hopper SXM parts: same SM count and clocks; they differ in HBM size and bandwidth.
+# Hopper SXM parts: same SM count and clocks; they differ in HBM size and bandwidth. B200 (HGX): used to
+# check what XLA compiles for Blackwell (cuDNN's block-scaled GEMM for mxfp8); never run here.
 GPUS = {
     "h100": GpuSpec("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000),
     "h200": GpuSpec("NVIDIA H200", 150_754_820_096, 4_800_000_000_000),
+    "b200": GpuSpec("NVIDIA B200", 192_265_846_784, 8_000_000_000_000, sms=148, l2_bytes=126 * 2**20, clock_ghz=1.965, capability=10),
 }
 
 
 def target_config(gpu: str, cuda_major: int = 13, cudnn: tuple[int, int] = (9, 12)) -> str:
-  """A stream_executor.GpuTargetConfigProto in text form for `gpu`."""
+  """A stream_executor.GpuTargetConfigProto in text form for `gpu`. XLA reads the cuDNN version from
+  gpu_device_info.dnn_version (without it, passes that need cuDNN, such as the block-scaled dot rewrite,
+  are off); dnn_version_info is the older field."""
   s = GPUS[gpu]
   return f"""
 gpu_device_info {{
@@ -50,9 +55,10 @@ gpu_device_info {{
   clock_rate_ghz: {s.clock_ghz}
   device_memory_size: {s.memory_bytes}
   shared_memory_per_block_optin: 232448
-  cuda_compute_capability {{ major: 9 }}
+  cuda_compute_capability {{ major: {s.capability} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
+  dnn_version: "{cudnn[0]}.{cudnn[1]}.0"
 }}
 runtime_version {{ major: {cuda_major} }}
 platform_name: "CUDA"

@@ -120,6 +120,7 @@ class MoEConfig:
   moe_gmm_backend: str = choice("xla", "padded", "mosaic", "tokamax", "te", "auto")
   moe_mosaic_kernels: str = choice("ours", "ours_ws", "jax")  # the kernel set of moe_gmm_backend=mosaic
   quantization: str = choice("", "mxfp8", "fp8_blockwise")  # expert GEMMs; MaxText/quant/
+  mxfp8_impl: str = choice("auto", "block_scaled", "emulated")  # quantization=mxfp8's products
   quantize_before_permute: bool
   moe_group_pad_multiple: int = at_least(0)
 

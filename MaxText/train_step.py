@@ -42,8 +42,11 @@ class Trainer:
     if backend != cfg.moe.moe_gmm_backend:
       print(f"moe_gmm_backend={cfg.moe.moe_gmm_backend} -> {backend}: {why}", flush=True)
       cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_gmm_backend=backend))
+    device = mesh.devices.flat[0]
+    if (impl := quant.resolve_mxfp8(cfg.moe.mxfp8_impl, device)) != cfg.moe.mxfp8_impl:
+      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mxfp8_impl=impl))
     if cfg.moe.quantization:
-      print(quant.describe(cfg.moe.quantization, backend, mesh.devices.flat[0]), flush=True)
+      print(quant.describe(cfg.moe.quantization, backend, device, impl), flush=True)
     self.cfg, self.mesh = cfg, mesh
     self.specs = model.model_specs(cfg.model, cfg.moe)
     self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps, self.specs)

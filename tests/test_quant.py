@@ -16,7 +16,7 @@ import pytest
 
 from MaxText import quant
 from MaxText.moe import gmm
-from MaxText.quant import fp8_blockwise, formats, groups, mxfp8
+from MaxText.quant import fp8_blockwise, formats, groups, mxfp8, mxfp8_block_scaled
 
 # ---- NumPy references of the formats ----
 E4M3_MAX = 448.0
@@ -215,7 +215,7 @@ def _rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_blockwise"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp8:block_scaled", "fp8_blockwise"])
 @pytest.mark.parametrize("case", SIZES)
 def test_quantized_grouped_gemm_forward_dgrad_wgrad(fmt, case):
   """Two bounds. (1) Exactness of the scaled GEMM: every output equals the product of the NumPy-dequantised
@@ -230,8 +230,9 @@ def test_quantized_grouped_gemm_forward_dgrad_wgrad(fmt, case):
   x, w, dy = _operands()
   valid = sum(sizes_list)
   dy = dy.at[valid:].set(0.0)
-  y, dx, dw = _run(quant.quantized_gmm(fmt, "xla"), x, w, dy, sizes)
-  want_y, want_dx, want_dw = _references(fmt, x, w, dy, sizes_list)
+  name, _, impl = fmt.partition(":")
+  y, dx, dw = _run(quant.quantized_gmm(name, "xla", None, impl or "emulated"), x, w, dy, sizes)
+  want_y, want_dx, want_dw = _references(name, x, w, dy, sizes_list)
   for got, want in ((y[:valid], want_y[:valid]), (dx[:valid], want_dx[:valid]), (dw, want_dw)):
     assert np.all(np.isfinite(np.asarray(got)))
     assert _rel(got, want) < 1e-5
@@ -251,6 +252,62 @@ def test_mxfp8_on_another_backend_uses_its_vjp_and_agrees():
   via_vjp = _run(generic, x, w, dy, sizes)
   for a, b in zip(via_xla, via_vjp):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_block_scaled_windows_cover_every_group_row_once():
+  """The window table of mxfp8_impl=block_scaled: each group cut into windows of its own rows, no window
+  past `count` doing work, and the static bound never short."""
+  sizes = np.array([0, 300, 5, 0, 1024, 128], np.int32)
+  rows, window = 1500, 128
+  total = mxfp8_block_scaled.max_windows(rows, len(sizes), window)
+  starts = np.cumsum(sizes) - sizes
+  w = mxfp8_block_scaled.windows(jnp.asarray(starts), jnp.asarray(sizes), window, total)
+  count = int(w.count)
+  assert count == sum(-(-int(s) // window) for s in sizes) <= total
+  covered = np.zeros(rows, np.int32)
+  for start, g, n in zip(np.asarray(w.start)[:count], np.asarray(w.group)[:count], np.asarray(w.rows)[:count]):
+    assert 0 < n <= window and starts[g] <= start and start + n <= starts[g] + sizes[g]
+    covered[start : start + n] += 1
+  np.testing.assert_array_equal(covered[: sizes.sum()], 1)
+  assert not covered[sizes.sum() :].any() and not np.asarray(w.rows)[count:].any()
+  # window sizes: a quarter of a group's share, a power of two in [128, 1024]
+  assert [mxfp8_block_scaled.window_rows(r, g) for r, g in ((160, 4), (32768, 8), (32768, 32), (65536, 2))] == [128, 1024, 256, 1024]
+
+
+def test_block_scaled_wgrad_keeps_a_nan_block_in_its_own_group():
+  """A window's rows of the next group are zeroed with their scales: an Inf in group 2's dy makes
+  dw[2] NaN and leaves the other groups' gradients as the emulation computes them (a zeroed value under a
+  NaN scale would still be NaN), with groups narrower than a window (160 rows: windows of 128)."""
+  x, w, dy = _operands(seed=5)
+  sizes = jnp.array([20, 50, 40, 50], jnp.int32)
+  dy = dy.at[75, 3].set(jnp.inf)  # row 75: group 2 (rows 70..109)
+  got = mxfp8_block_scaled.wgrad(x, dy, sizes)
+  want = quant.quantized_gmm("mxfp8", "xla", None, "emulated")
+  _, pullback = jax.vjp(lambda w: want(x, w, sizes), w)
+  want_dw = pullback(dy)[0]
+  assert np.isnan(np.asarray(got[2])).any()
+  for g in (0, 1, 3):
+    np.testing.assert_allclose(got[g], want_dw[g], rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp8_impl_resolution_and_log_line():
+  class Gpu:
+    platform, device_kind = "gpu", "NVIDIA B200"
+
+    def __init__(self, capability):
+      self.compute_capability = capability
+
+  cpu = jax.devices()[0]
+  assert quant.resolve_mxfp8("auto", cpu) == "emulated"
+  assert quant.resolve_mxfp8("auto", Gpu("9.0")) == "emulated"
+  assert quant.resolve_mxfp8("auto", Gpu("10.0")) == "block_scaled"
+  assert quant.resolve_mxfp8("auto", Gpu("12.0")) == "block_scaled"
+  assert quant.resolve_mxfp8("block_scaled", cpu) == "block_scaled"
+  assert quant.resolve_mxfp8("emulated", Gpu("10.0")) == "emulated"
+  assert "the tensor cores' block-scaled MMA" in quant.describe("mxfp8", "xla", Gpu("10.0"), "block_scaled")
+  assert "cpu has no block-scaled MMA" in quant.describe("mxfp8", "xla", cpu, "block_scaled")
+  with pytest.raises(ValueError, match="resolve auto first"):
+    quant.quantized_gmm("mxfp8", "xla", None, "auto")
 
 
 @pytest.mark.parametrize("variant", list(fp8_blockwise.MOSAIC_VARIANTS))
@@ -394,6 +451,16 @@ def test_quantized_training_follows_unquantized(tiny_config):
     assert r["final"] < 0.02 and r["mean"] < 0.02, (q, r)
 
 
+@pytest.mark.parametrize("dispatch", ["sort", "dense_a2a"])
+def test_block_scaled_mxfp8_trains_as_the_emulation_does(tiny_config, dispatch):
+  """mxfp8_impl=block_scaled against emulated: the same numerics (fp32 accumulation both), so two steps give
+  the same losses and gradient norms, on 8 devices, under expert parallelism's shard_map too."""
+  small = ("max_target_length=16", "per_device_batch_size=2", "learning_rate=1e-2", "remat_policy=none", "mtp_num_layers=0",
+           "steps=2", "quantization=mxfp8", f"moe_dispatch={dispatch}")
+  runs = {impl: _train(tiny_config(*small, f"mxfp8_impl={impl}"), 2) for impl in ("emulated", "block_scaled")}
+  np.testing.assert_allclose(runs["block_scaled"], runs["emulated"], rtol=1e-5)
+
+
 @pytest.mark.skipif(not os.environ.get("MAXTEXT_QUANT_CONVERGENCE"), reason="300 steps x 3 runs: set MAXTEXT_QUANT_CONVERGENCE=1")
 def test_tiny_recipe_300_steps_within_two_percent(tiny_config):
   """The tiny recipe as it is (128 sequences of 64 tokens a step), on one device: the same math as on 8
@@ -424,7 +491,7 @@ def test_fp8_blockwise_kernels_compile_for_h200():
       # kernels (Triton) besides: w, x, dy and the requantised fp8 rows, fewer where XLA merges equal calls.
       fused = fp8_blockwise.MOSAIC_VARIANTS[kernels.split(":")[1]].get("fused_quantize", False)
       assert result.pop("triton_kernels") in (range(4, 7) if fused else (0,)), (kernels, shape)
-      assert result == {"device_kind": "NVIDIA H200", "mosaic_kernels": 6, "fp8_operands": True}, (kernels, shape)
+      assert result == {"device_kind": "NVIDIA H200", "mosaic_kernels": 6, "fp8_operands": True, "scaled_dots": 0, "triton_gemm_fusions": 0}, (kernels, shape)
 
 
 @pytest.mark.parametrize("pad", [0, 8])
@@ -457,3 +524,24 @@ def test_tokens_quantised_before_the_permute(tiny_config, pad):
     assert 0 < _rel(dp_b[k], dp_a[k]) < 0.06, k
     assert _rel(dp_b[k], unquantised[1][k]) < 1.15 * _rel(dp_a[k], unquantised[1][k]), k
   np.testing.assert_allclose(dp_b["wo"], dp_a["wo"], rtol=1e-6, atol=1e-6)  # its input is the activation, not the rows
+
+
+def test_block_scaled_mxfp8_compiles_to_triton_scaled_dots_for_b200():
+  """On a compile-only B200 (sm_100) mxfp8 (auto: block_scaled) compiles its forward, dgrad and wgrad
+  products to XLA scaled-dot ops with e4m3 operands, each in a Triton GEMM fusion (tt.dot_scaled: the
+  tensor-core block-scaled MMA on sm_100), not to a dequantise + dot; on an H200 auto keeps the emulation
+  (the three Mosaic bf16 kernels), and a forced block_scaled compiles as on the B200."""
+  repo = Path(__file__).resolve().parents[1]
+  site = Path(os.environ.get("MAXTEXT_GPU_AOT_SITE", repo / ".venv" / "gpu-aot"))
+  if not (site / "jax_plugins").is_dir():
+    pytest.skip(f"CUDA plugin not installed in {site}")
+  env = {**os.environ, "PYTHONPATH": f"{site}:{repo}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  script = repo / "tests" / "compile_only" / "lower_fp8_for_gpu.py"
+  want = {("b200", "mxfp8"): ("NVIDIA B200", 0, 3), ("h200", "mxfp8"): ("NVIDIA H200", 3, 0), ("h200", "mxfp8:block_scaled"): ("NVIDIA H200", 0, 3)}
+  for (gpu, fmt), (kind, mosaic, scaled) in want.items():
+    proc = subprocess.run([sys.executable, str(script), "--gpu", gpu, fmt, "4096x7168x2048x8"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    (result,) = json.loads(lines[-1].removeprefix("RESULT ")).values()
+    got = (result["device_kind"], result["mosaic_kernels"], result["scaled_dots"], result["triton_gemm_fusions"] >= result["scaled_dots"], result["fp8_operands"])
+    assert got == (kind, mosaic, scaled, True, True), (gpu, fmt, result)

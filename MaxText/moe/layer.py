@@ -20,7 +20,7 @@ from MaxText.config_schema import MoEConfig
 from MaxText.layers.mlp import mlp, mlp_specs
 from MaxText.moe import ep, router
 from MaxText.moe.dispatch import get_dispatcher
-from MaxText.quant import quantized_gmm
+from MaxText.quant import quantized_gmm, resolve_mxfp8
 from MaxText.params import ParamSpec
 
 
@@ -65,6 +65,11 @@ def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q
     return checkpoint_name(gmm(jax.nn.silu(gate) * up, p["wo"], group_sizes), "moe_mlpwo")
 
 
+def _expert_gmm(cfg: MoEConfig):
+  # mxfp8_impl=auto is resolved by the Trainer (which logs it); a layer built on its own decides here.
+  return quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels, resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0]))
+
+
 def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[jax.Array, MoEStats]:
   """x [batch, seq, embed] -> ([batch, seq, embed], stats)."""
   batch, seq, d = x.shape
@@ -80,12 +85,12 @@ def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[
   if ep.is_ep(cfg.moe_dispatch):
     from MaxText.moe.ep.parallel import routed_ep
 
-    gmm = quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels)
+    gmm = _expert_gmm(cfg)
     out, overflow, sent, nodedup = routed_ep(lambda w, rows, sizes: routed_experts(w, rows, sizes, gmm), p, x, r.expert_ids, r.weights, cfg, shard.mesh)
     out = out if shared is None else out + shared
     return out, MoEStats(load, jnp.zeros((), jnp.int32), balance, overflow, sent, nodedup)
   dispatcher = get_dispatcher(cfg.moe_dispatch, cfg.capacity_factor, cfg.moe_group_pad_multiple)
-  gmm = quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels)
+  gmm = _expert_gmm(cfg)
   rows_q = None
   with jax.named_scope("permute"):
     dispatched = dispatcher.dispatch(tokens, r.expert_ids, cfg.num_experts)

@@ -1,7 +1,9 @@
 """Quantised expert grouped GEMMs, chosen by `quantization` (MoE section) on top of `moe_gmm_backend`.
 
   ""             no quantisation: the backend's own gmm
-  mxfp8          MXFP8 (OCP MX: e4m3, e8m0 scale per 32), emulated on the bf16 backend (mxfp8.py)
+  mxfp8          MXFP8 (OCP MX: e4m3, e8m0 scale per 32), by `mxfp8_impl`: block-scaled products
+                 (mxfp8_block_scaled.py; the tensor cores' block-scaled MMA on Blackwell) or emulated
+                 on the bf16 backend (mxfp8.py)
   fp8_blockwise  DeepSeek-V3 FP8 (e4m3, fp32 scales per 1x128 / 128x128), fp32-accumulating kernels
                  with in-kernel scales: `mosaic` (Hopper) or `xla` (jnp reference) (fp8_blockwise.py)
 
@@ -19,6 +21,8 @@ from MaxText.moe.gmm import vjp
 
 CHOICES = ("", "mxfp8", "fp8_blockwise")
 FP8_BLOCKWISE_BACKENDS = ("mosaic", "xla")
+MXFP8_IMPLS = ("block_scaled", "emulated")
+BLOCK_SCALED_MMA_MAJOR = 10  # sm_100 (Blackwell): tcgen05 MMA with block scales
 
 
 def check(name: str, backend: str) -> str | None:
@@ -53,15 +57,35 @@ def _kernels_from_vjp(f):
   return f, dgrad, wgrad
 
 
+def has_block_scaled_mma(device: jax.Device) -> bool:
+  capability = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+  return capability is not None and int(str(capability).split(".")[0]) >= BLOCK_SCALED_MMA_MAJOR
+
+
+def resolve_mxfp8(impl: str, device: jax.Device) -> str:
+  """`mxfp8_impl` with auto decided for `device`: block-scaled products where the tensor cores apply the
+  scales, the emulation elsewhere (see benchmarks/results for the two on an H200)."""
+  if impl != "auto":
+    return impl
+  return "block_scaled" if has_block_scaled_mma(device) else "emulated"
+
+
 @functools.cache
-def quantized_gmm(name: str, backend: str, mosaic_kernels: str | None = None) -> gmm_registry.Gmm:
+def quantized_gmm(name: str, backend: str, mosaic_kernels: str | None = None, mxfp8_impl: str = "emulated") -> gmm_registry.Gmm:
   """The grouped GEMM for `quantization=name` on the resolved `moe_gmm_backend` (not auto), with mosaic's
-  kernel set `mosaic_kernels` (moe_mosaic_kernels; None: the default)."""
+  kernel set `mosaic_kernels` (moe_mosaic_kernels; None: the default) and, for mxfp8, the resolved
+  `mxfp8_impl` (resolve_mxfp8)."""
   if (why := check(name, backend)) or backend == "auto":
     raise ValueError(why or "resolve moe_gmm_backend=auto first")
   if not name:
     return gmm_registry.get_gmm(backend, mosaic_kernels)
   if name == "mxfp8":
+    if mxfp8_impl not in MXFP8_IMPLS:
+      raise ValueError(f"mxfp8_impl={mxfp8_impl}: choose one of {', '.join(MXFP8_IMPLS)} (resolve auto first)")
+    if mxfp8_impl == "block_scaled":
+      from MaxText.quant import mxfp8_block_scaled
+
+      return mxfp8_block_scaled.make_gmm()
     from MaxText.quant import mxfp8
 
     return mxfp8.make_gmm(*_kernels(backend, mosaic_kernels))
@@ -84,11 +108,17 @@ def fp8_kernels(backend: str, mosaic_kernels: str | None = None):
   return fp8_blockwise.KERNELS[backend]
 
 
-def describe(name: str, backend: str, device: jax.Device) -> str:
+def describe(name: str, backend: str, device: jax.Device, mxfp8_impl: str = "emulated") -> str:
   """One log line: what runs for the expert GEMMs, and whether it is emulated."""
+  if name == "mxfp8" and mxfp8_impl == "block_scaled":
+    where = ("the tensor cores' block-scaled MMA" if has_block_scaled_mma(device) else
+             f"dequantised inside the kernel: {device.device_kind} has no block-scaled MMA (mxfp8_impl=auto picks the emulation here)")
+    return (f"quantization=mxfp8: e4m3 operands with e8m0 scales per 32 into jax.lax.scaled_dot (XLA's Triton GEMM), "
+            f"one product per group window, {where}")
   if name == "mxfp8":
     return (f"quantization=mxfp8 is emulated on {device.device_kind}: operands quantised to MXFP8 and dequantised "
-            f"into the {backend} grouped GEMM (no native block-scaled grouped GEMM wired; Blackwell/TE paths are not in this build)")
+            f"into the {backend} grouped GEMM ({device.device_kind} has no block-scaled MMA; mxfp8_impl=block_scaled "
+            "runs the products on it where it does, sm_100+)")
   if name == "fp8_blockwise":
     if backend == "mosaic":
       return ("quantization=fp8_blockwise: e4m3 Pallas Mosaic GPU grouped GEMMs (sm_90 wgmma), "

@@ -5,11 +5,11 @@
   wgrad    dw = x_g^T @ dy_g    x and dy in blocks of 32 along rows, rows aligned per group to 32
                                 so that no block holds two experts' rows (quant/groups.py)
 
-Hopper has no block-scaled MMA, so the numerics are emulated: each operand is quantised, dequantised
-into the compute dtype (exact: e4m3 times a power of two fits bf16) and multiplied by the chosen
-bf16 grouped-GEMM backend (`moe_gmm_backend`). Gradients pass straight through the quantisers;
-master weights keep their dtype. Native MXFP8 (Blackwell tcgen05 block-scaled MMA) is not wired yet:
-jax.nn.scaled_dot_general is a dense, not grouped, product; see quant/__init__.py.
+This is `mxfp8_impl: emulated`, what runs where the tensor cores have no block-scaled MMA (Hopper):
+each operand is quantised, dequantised into the compute dtype (exact: e4m3 times a power of two fits
+bf16) and multiplied by the chosen bf16 grouped-GEMM backend (`moe_gmm_backend`). Gradients pass
+straight through the quantisers; master weights keep their dtype. Blackwell's path, block-scaled
+products on the e4m3 values and e8m0 scales themselves, is mxfp8_block_scaled.py.
 """
 
 import jax

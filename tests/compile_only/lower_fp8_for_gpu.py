@@ -1,13 +1,16 @@
-"""Compiles the quantised expert GEMMs (forward + both backward GEMMs) for a compile-only H200 and prints
+"""Compiles the quantised expert GEMMs (forward + both backward GEMMs) for a compile-only GPU and prints
 JSON; run by tests/test_quant.py in a subprocess whose PYTHONPATH holds the CUDA plugin.
 
-  python tests/compile_only/lower_fp8_for_gpu.py fp8_blockwise[:VARIANT]|mxfp8 [MxKxNxG ...]   (default 4096x7168x4096x8)
+  python tests/compile_only/lower_fp8_for_gpu.py [--gpu h200|b200] fp8_blockwise[:VARIANT]|mxfp8[:IMPL] [MxKxNxG ...]
+  (default 4096x7168x4096x8, h200)
 
 fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize); a bare
-fp8_blockwise is what quantization=fp8_blockwise runs by default.
+fp8_blockwise is what quantization=fp8_blockwise runs by default. mxfp8:IMPL is mxfp8_impl (emulated, block_scaled);
+a bare mxfp8 is what auto picks for the GPU.
 """
 
 import json
+import re
 import sys
 
 import jax
@@ -15,18 +18,19 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import compile_only
-from MaxText.quant import quantized_gmm
+from MaxText.quant import quantized_gmm, resolve_mxfp8
 
 
-def compile_one(fmt: str, m: int, k: int, n: int, g: int) -> dict:
-  devices = compile_only.devices("h200", 1)
+def compile_one(gpu: str, fmt: str, m: int, k: int, n: int, g: int) -> dict:
+  devices = compile_only.devices(gpu, 1)
   s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
-  if fmt.startswith("fp8_blockwise:"):
+  name, _, choice = fmt.partition(":")
+  if name == "fp8_blockwise" and choice:
     from MaxText.quant import fp8_blockwise
 
-    f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[fmt.split(":")[1]]))
+    f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[choice]))
   else:
-    f = quantized_gmm(fmt, "mosaic")
+    f = quantized_gmm(name, "mosaic", None, resolve_mxfp8(choice or "auto", devices[0]))
 
   def fwd_bwd(x, w, sizes, dy):
     y, pullback = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
@@ -42,9 +46,14 @@ def compile_one(fmt: str, m: int, k: int, n: int, g: int) -> dict:
     compiled = jax.jit(fwd_bwd, in_shardings=(s,) * 4).lower(*args).compile()
   text = compiled.as_text()
   return {"device_kind": devices[0].device_kind, "mosaic_kernels": text.count('custom_call_target="mosaic_gpu'),
-          "triton_kernels": text.count('custom_call_target="__gpu$xla.gpu.triton'), "fp8_operands": "f8e4m3fn" in text}
+          "triton_kernels": text.count('custom_call_target="__gpu$xla.gpu.triton'), "fp8_operands": "f8e4m3fn" in text,
+          "scaled_dots": len(re.findall(r"= \S+ scaled-dot\(", text)), "triton_gemm_fusions": text.count('"kind":"__triton_nested_gemm_fusion"')}
 
 
 if __name__ == "__main__":
-  shapes = sys.argv[2:] or ["4096x7168x4096x8"]
-  print("RESULT " + json.dumps({shape: compile_one(sys.argv[1], *map(int, shape.split("x"))) for shape in shapes}))
+  args = sys.argv[1:]
+  gpu = "h200"
+  if args[:1] == ["--gpu"]:
+    gpu, args = args[1], args[2:]
+  shapes = args[1:] or ["4096x7168x4096x8"]
+  print("RESULT " + json.dumps({shape: compile_one(gpu, args[0], *map(int, shape.split("x"))) for shape in shapes}))

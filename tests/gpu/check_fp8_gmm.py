@@ -4,8 +4,8 @@
   python3 tests/gpu/check_fp8_gmm.py --out OUT.json --cpu-dry-run   # tiny shapes on CPU, kernels in Pallas' GPU interpreter
 
 For each case (DeepSeek-V3 widths with balanced and skewed groups, empty groups, all rows in one group,
-group and width sizes that are not multiples of 128) and each of fp8_blockwise (our Hopper kernels) and
-mxfp8 (emulated on the bf16 mosaic backend), on fresh random inputs (seed from os.urandom, recorded),
+group and width sizes that are not multiples of 128) and each of fp8_blockwise (our Hopper kernels),
+mxfp8 (emulated on the bf16 mosaic backend) and mxfp8:block_scaled (jax.lax.scaled_dot per window), on fresh random inputs (seed from os.urandom, recorded),
 with freed device memory filled with NaN before each run:
 
   exact    each output against the float32 product of the dequantised operands (quantised along that
@@ -39,7 +39,7 @@ FORMAT_BOUND = 0.06
 
 def dequantized_operands(fmt, x, w, dy, sizes):
   """Each GEMM's operands through the format, dequantised to float32, on the host."""
-  if fmt == "mxfp8":
+  if fmt.startswith("mxfp8"):
     deq = lambda a, axis: formats.dequantize(formats.mx_quantize(a, axis))  # noqa: E731
     xk, wk, dyn, wn = deq(x, 1), deq(w, 1), deq(dy, 1), deq(w, 2)
     block, rows = formats.MX_BLOCK, lambda a: deq(a, 0)  # noqa: E731
@@ -105,6 +105,7 @@ def main() -> int:
   # The Mosaic kernel variants of fp8_blockwise (the default is "ws" under moe_mosaic_kernels=ours_ws).
   impls = {f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[name], interpret=interpret)) for name in variants}
   impls["mxfp8"] = mxfp8
+  impls["mxfp8:block_scaled"] = quantized_gmm("mxfp8", "xla", None, "block_scaled")
   dtype = jnp.float32 if args.cpu_dry_run else jnp.bfloat16
   results = {"seed": seed, "device": jax.devices()[0].device_kind, "exact_bound": EXACT_BOUND, "format_bound": FORMAT_BOUND, "cases": []}
   ok = True
