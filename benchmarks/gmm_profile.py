@@ -53,7 +53,8 @@ def main() -> int:
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--kernel-sets", default="", help="comma-separated Mosaic kernel sets (default: all)")
   ap.add_argument("--quant", default="", help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8; "
-                  "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize)")
+                  "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize); "
+                  "mxfp8:IMPL for an mxfp8_impl (emulated, block_scaled)")
   ap.add_argument("--cases", default="4:balanced,32:balanced,32:skewed", help="comma-separated GROUPS:SIZES")
   args = ap.parse_args()
   cases = parse_cases(ap, args.cases)
@@ -61,20 +62,23 @@ def main() -> int:
   import jax
 
   from MaxText.moe.gmm import mosaic
-  from MaxText.quant import quantized_gmm
+  from MaxText.quant import MXFP8_IMPLS, fp8_blockwise, quantized_gmm, resolve_mxfp8
 
-  from MaxText.quant import fp8_blockwise
-
-  def quantised(q):  # "fp8_blockwise:ws_block_scales" names a kernel variant; plain names go through the registry
+  def quantised(q):  # "fp8_blockwise:ws_block_scales" names a kernel variant, "mxfp8:block_scaled" an mxfp8_impl
     name, _, variant = q.partition(":")
-    return fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[variant])) if variant else quantized_gmm(name, "mosaic")
+    if name == "fp8_blockwise" and variant:
+      return fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[variant]))
+    return quantized_gmm(name, "mosaic", None, resolve_mxfp8(variant or "auto", jax.devices()[0]))
 
   def known(q):
     name, _, variant = q.partition(":")
-    return name == "mxfp8" and not variant or name == "fp8_blockwise" and (not variant or variant in fp8_blockwise.MOSAIC_VARIANTS)
+    if name == "mxfp8":
+      return not variant or variant in MXFP8_IMPLS
+    return name == "fp8_blockwise" and (not variant or variant in fp8_blockwise.MOSAIC_VARIANTS)
 
   if bad := [q for q in args.quant.split(",") if q and not known(q)]:
-    ap.error(f"--quant {','.join(bad)}: choose fp8_blockwise, mxfp8 or fp8_blockwise:VARIANT with VARIANT one of {', '.join(fp8_blockwise.MOSAIC_VARIANTS)}")
+    ap.error(f"--quant {','.join(bad)}: choose fp8_blockwise, fp8_blockwise:VARIANT with VARIANT one of {', '.join(fp8_blockwise.MOSAIC_VARIANTS)}, "
+             f"mxfp8 or mxfp8:IMPL with IMPL one of {', '.join(MXFP8_IMPLS)}")
   kernel_sets = [k for k in args.kernel_sets.split(",") if k] or list(mosaic.KERNELS)
   if unknown := [k for k in kernel_sets if k not in mosaic.KERNELS]:
     ap.error(f"--kernel-sets {','.join(unknown)}: choose from {', '.join(mosaic.KERNELS)}")
