@@ -66,17 +66,24 @@ def _product(a, b, a_scale, b_scale, like, out_dtype):
 
 
 def _pad(a: jax.Array, extra: int, axis: int = 0) -> jax.Array:
-  """`extra` zeros at the end of `axis`. Windows need them past the last row: a dynamic slice would clamp
-  its start instead of reading past the end."""
   return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+
+
+def _in_bounds(start, n, window: int, length: int):
+  """A window for positions [start, start + n) of an axis of `length` >= window positions: where it
+  starts, moved back so that it ends inside the axis (no padded copy of the operands), and a mask of
+  the wanted positions in it."""
+  first = jnp.minimum(start, length - window)
+  i = jnp.arange(window)
+  return first, (i >= start - first) & (i < start - first + n)
 
 
 def _quantize(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   """MXFP8 along the last axis, zero-padded to whole blocks (the product infers its block size from the
   widths of values and scales; zeros change no block's amax): e4m3 values and the scales' bytes.
 
-  Scales travel as bytes up to the product because e8m0 has no zero: padding them (past the last row)
-  with e8m0's "zero" gives its NaN, and NaN times a padded zero value is NaN; the byte 0 is 2^-127."""
+  Scales travel as bytes up to the product because e8m0 has no zero: padding them with e8m0's "zero"
+  gives its NaN, and NaN times a padded zero value is NaN; the byte 0 is 2^-127."""
   q = mx_quantize(_pad(a, -a.shape[-1] % MX_BLOCK, a.ndim - 1), -1)
   return q.q, jax.lax.bitcast_convert_type(q.scale, jnp.uint8)
 
@@ -90,16 +97,17 @@ def _rows_times_groups(a, b, group_sizes: jax.Array, out_dtype) -> jax.Array:
   window = window_rows(rows, groups)
   sizes = group_sizes.astype(jnp.int32)
   w = windows(jnp.cumsum(sizes) - sizes, sizes, window, max_windows(rows, groups, window))
-  aq, ascale = _pad(aq, window), _pad(ascale, window)
-  out = vjp.typed(jnp.zeros((rows + window, n), out_dtype), aq, bq, group_sizes)
+  length = max(rows, window)  # fewer rows than a window: pad them (a small copy)
+  aq, ascale = _pad(aq, length - rows), _pad(ascale, length - rows)
+  out = vjp.typed(jnp.zeros((length, n), out_dtype), aq, bq, group_sizes)
 
   def body(t, out):
-    start, g = w.start[t], w.group[t]
-    x = jax.lax.dynamic_slice_in_dim(aq, start, window)
-    xs = jax.lax.dynamic_slice_in_dim(ascale, start, window)
+    first, keep = _in_bounds(w.start[t], w.rows[t], window, length)
+    g = w.group[t]
+    x = jax.lax.dynamic_slice_in_dim(aq, first, window)
+    xs = jax.lax.dynamic_slice_in_dim(ascale, first, window)
     y = _product(x, bq[g], xs, bscale[g], out, out_dtype)
-    keep = jnp.arange(window)[:, None] < w.rows[t]
-    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, start, window)), start, 0)
+    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, jax.lax.dynamic_slice_in_dim(out, first, window)), first, 0)
 
   return jax.lax.fori_loop(0, w.count, body, out)[:rows]
 
@@ -125,19 +133,20 @@ def wgrad(x, dy, group_sizes):
   # Rows on the contraction axis, last: [K, rows] and [N, rows], blocks of 32 along rows.
   xq, xs = _quantize(to_aligned(x, aligned).T)
   dq, ds = _quantize(to_aligned(dy, aligned).T)
-  xq, xs, dq, ds = (_pad(a, window // (1 if a.dtype != jnp.uint8 else MX_BLOCK), 1) for a in (xq, xs, dq, ds))
+  length = max(aligned.padded_rows, window)  # both multiples of 32: windows start on whole blocks
+  xq, xs, dq, ds = (_pad(a, (length - aligned.padded_rows) // (MX_BLOCK if a.dtype == jnp.uint8 else 1), 1) for a in (xq, xs, dq, ds))
   dw = vjp.typed(jnp.zeros((groups, k, n), jnp.float32), x, dy, group_sizes)
 
   def body(t, dw):
-    start, g, valid = w.start[t], w.group[t], w.rows[t]
-    keep = jnp.arange(window) < valid
-    keep_block = jnp.arange(window // MX_BLOCK) < valid // MX_BLOCK
+    first, keep = _in_bounds(w.start[t], w.rows[t], window, length)
+    keep_block = keep[::MX_BLOCK]  # the windows' group rows are whole blocks
+    g = w.group[t]
 
     def take(q, s):
-      # The next group's rows in the window: zero values with scale 2^-127 (byte 0), since a zero under
+      # Rows of other groups in the window: zero values with scale 2^-127 (byte 0), since a zero under
       # a NaN scale (a block holding Inf or NaN) would still be NaN.
-      q = jax.lax.dynamic_slice_in_dim(q, start, window, axis=1)
-      s = jax.lax.dynamic_slice_in_dim(s, start // MX_BLOCK, window // MX_BLOCK, axis=1)
+      q = jax.lax.dynamic_slice_in_dim(q, first, window, axis=1)
+      s = jax.lax.dynamic_slice_in_dim(s, first // MX_BLOCK, window // MX_BLOCK, axis=1)
       return jnp.where(keep, q, jnp.zeros((), q.dtype)), jnp.where(keep_block, s, jnp.uint8(0))
 
     (a, a_scale), (b, b_scale) = take(xq, xs), take(dq, ds)
