@@ -9,12 +9,9 @@ partitions scaled_dot itself.)
 
 jax has no ragged block-scaled product, so the grouped GEMM is a loop of dense ones over row windows:
 every group is cut into windows of `window` rows, each window one product against its group's weight.
-A window's rows past its group's end belong to the next group and are masked out of its result
-(forward, dgrad) or zeroed in its operands (wgrad, where the contraction runs over rows, in the
-per-group 32-row alignment of quant/groups.py). The loops run the static bound of windows, the
-unused ones on fully masked rows: a loop whose trip count is data makes XLA:GPU copy its condition to
-the host every iteration, and the host then waits on the GPU (measured on an H200: the train step's
-dispatch blocked until the step had nearly finished).
+Only windows that hold rows run (a dynamic trip count); a window's rows past its group's end belong to
+the next group and are masked out of its result (forward, dgrad) or zeroed in its operands (wgrad,
+where the contraction runs over rows, in the per-group 32-row alignment of quant/groups.py).
 """
 
 from typing import NamedTuple
@@ -40,7 +37,8 @@ def window_rows(rows: int, groups: int) -> int:
 class Windows(NamedTuple):
   start: jax.Array  # [T] int32: each window's first row
   group: jax.Array  # [T] int32: the group (weight) it multiplies
-  rows: jax.Array  # [T] int32: how many of its rows are its group's (0: an unused window)
+  rows: jax.Array  # [T] int32: how many of its rows are its group's (0 for windows past `count`)
+  count: jax.Array  # int32: windows in use; the first `count` of the T
 
 
 def windows(starts: jax.Array, sizes: jax.Array, window: int, total: int) -> Windows:
@@ -51,7 +49,7 @@ def windows(starts: jax.Array, sizes: jax.Array, window: int, total: int) -> Win
   g = jnp.minimum(jnp.searchsorted(ends, t, side="right", method="scan_unrolled"), sizes.shape[0] - 1).astype(jnp.int32)
   j = t - (ends[g] - per_group[g])
   rows = jnp.where(t < ends[-1], jnp.clip(sizes[g] - j * window, 0, window), 0)
-  return Windows(starts[g] + j * window, g, rows.astype(jnp.int32))
+  return Windows(starts[g] + j * window, g, rows.astype(jnp.int32), ends[-1].astype(jnp.int32))
 
 
 def max_windows(rows: int, groups: int, window: int) -> int:
@@ -111,7 +109,7 @@ def _rows_times_groups(a, b, group_sizes: jax.Array, out_dtype) -> jax.Array:
     y = _product(x, bq[g], xs, bscale[g], out, out_dtype)
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, jax.lax.dynamic_slice_in_dim(out, first, window)), first, 0)
 
-  return jax.lax.fori_loop(0, w.rows.shape[0], body, out)[:rows]
+  return jax.lax.fori_loop(0, w.count, body, out)[:rows]
 
 
 def fwd(x, w, group_sizes):
@@ -154,7 +152,7 @@ def wgrad(x, dy, group_sizes):
     (a, a_scale), (b, b_scale) = take(xq, xs), take(dq, ds)
     return dw.at[g].add(_product(a, b, a_scale, b_scale, dw, jnp.float32))
 
-  return jax.lax.fori_loop(0, w.rows.shape[0], body, dw)
+  return jax.lax.fori_loop(0, w.count, body, dw)
 
 
 def make_gmm():
