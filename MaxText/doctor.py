@@ -364,7 +364,20 @@ def check_moe_backends(devices: list) -> list[Check]:
     return f"usable: {', '.join(ok) or 'none'}" + (f"; not here: {'; '.join(bad)}" if bad else "")
 
   return [Check("moe_dispatch", OK if dispatch_ok else UNUSABLE, line(dispatch_ok, dispatch_not)),
-          Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not))]
+          Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not)),
+          check_quantization(devices, hopper and gmm.available("mosaic"))]
+
+
+def check_quantization(devices: list, hopper_kernels: bool) -> Check:
+  """What `quantization` runs as on these devices."""
+  from MaxText import quant
+
+  native = bool(devices) and all(quant.has_block_scaled_mma(d) for d in devices)
+  mx = ("mxfp8_impl=auto -> block_scaled (tensor-core block-scaled MMA)" if native else
+        "mxfp8_impl=auto -> emulated (no block-scaled MMA here: dequantised into the bf16 grouped GEMM)")
+  fp8 = ("Hopper kernels (moe_gmm_backend=mosaic)" if hopper_kernels else
+         "jnp reference only (moe_gmm_backend=xla, no fp8 speed-up; the fp8 kernels need sm_90)")
+  return Check("quantization", OK, f"mxfp8: {mx}; fp8_blockwise: {fp8}")
 
 
 def collect() -> list[Check]:
