@@ -47,8 +47,10 @@ def make_run_dir(run_dir: Path, resumable: bool) -> Path:
 def out_of_memory_is_a_user_error(run_dir: Path, fresh: bool):
   """Device out of memory (at compile or at a step) becomes one UserError line with what to change.
 
-  If the run directory is this run's own and holds no logged step and no checkpoint yet, it is removed
-  again, so that the same run_name can be tried with smaller settings.
+  If the run directory is this run's own and holds no logged step and no checkpoint yet, process 0 removes
+  it again, so that the same run_name can be tried with smaller settings. Only process 0 writes the
+  metrics: another process, on a host whose run directory is its own, cannot tell from it whether steps
+  were logged, and leaves its copy (which does not stop a retry: only a logged step does).
   """
   import jax
 
@@ -58,7 +60,7 @@ def out_of_memory_is_a_user_error(run_dir: Path, fresh: bool):
     if not str(e).startswith("RESOURCE_EXHAUSTED"):
       raise
     metrics = run_dir / "metrics.jsonl"
-    if fresh and not (metrics.exists() and metrics.stat().st_size) and not (run_dir / "checkpoints").exists():
+    if fresh and jax.process_index() == 0 and not (metrics.exists() and metrics.stat().st_size) and not (run_dir / "checkpoints").exists():
       shutil.rmtree(run_dir, ignore_errors=True)
     what = str(e).split("\n")[0].split(" [")[0].removeprefix("RESOURCE_EXHAUSTED: ")
     raise UserError(f"the device ran out of memory ({what}); lower per_device_batch_size, recompute more "

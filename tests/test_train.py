@@ -137,3 +137,19 @@ def test_out_of_memory_keeps_a_run_directory_with_steps_or_checkpoints_and_other
     with out_of_memory_is_a_user_error(run_dir, fresh=True):
       raise jax.errors.JaxRuntimeError("INTERNAL: something else")
   assert run_dir.exists()
+
+
+def test_out_of_memory_leaves_the_run_directory_of_other_processes(tmp_path, monkeypatch):
+  """Only process 0 writes metrics.jsonl: on a host with its own run directory, process 1 would see no
+  logged step after any number of them, so it never removes its directory."""
+  from MaxText.errors import UserError
+  from MaxText.train import out_of_memory_is_a_user_error
+
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  run_dir = tmp_path / "host1"
+  run_dir.mkdir()
+  (run_dir / "config.yml").write_text("x")
+  with pytest.raises(UserError):
+    with out_of_memory_is_a_user_error(run_dir, fresh=True):
+      raise jax.errors.JaxRuntimeError(OOM)
+  assert (run_dir / "config.yml").exists()
