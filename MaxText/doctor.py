@@ -364,13 +364,16 @@ def check_moe_backends(devices: list) -> list[Check]:
     return f"usable: {', '.join(ok) or 'none'}" + (f"; not here: {'; '.join(bad)}" if bad else "")
 
   return [Check("moe_dispatch", OK if dispatch_ok else UNUSABLE, line(dispatch_ok, dispatch_not)),
-          Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not)),
-          check_quantization(devices, hopper and gmm.available("mosaic"))]
+          Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not))]
 
 
-def check_quantization(devices: list, hopper_kernels: bool) -> Check:
+def check_quantization(devices: list) -> Check:
   """What `quantization` runs as on these devices."""
   from MaxText import quant
+  from MaxText.moe import gmm
+
+  hopper_kernels = gmm.available("mosaic") and any(is_gpu(d) for d in devices) and all(
+      getattr(d, "compute_capability", None) == HOPPER for d in devices if is_gpu(d))
 
   native = bool(devices) and all(quant.has_block_scaled_mma(d) for d in devices)
   mx = ("mxfp8_impl=auto -> block_scaled (tensor-core block-scaled MMA)" if native else
@@ -394,6 +397,7 @@ def collect() -> list[Check]:
   checks.append(check_nccl())
   checks.append(check_host_memory(devices))
   checks += check_moe_backends(devices)
+  checks.append(check_quantization(devices))
   checks += [check_optional(*p) for p in OPTIONAL_PACKAGES]
   checks += check_env()
   return checks

@@ -71,19 +71,23 @@ def test_hopper_only_when_every_gpu_is_sm_90():
   assert doctor.check_hopper({None}).status == "unusable"
 
 
-def test_quantization_line_says_what_runs_on_these_gpus():
+def test_quantization_line_says_what_runs_on_these_gpus(monkeypatch):
+  from MaxText.moe import gmm
+
   class Gpu:
     platform = "gpu"
 
     def __init__(self, capability):
       self.compute_capability = capability
 
-  blackwell = doctor.check_quantization([Gpu("10.0")] * 8, hopper_kernels=False)
+  monkeypatch.setattr(gmm, "available", lambda name: True)  # as with a jax that has Pallas Mosaic GPU
+  blackwell = doctor.check_quantization([Gpu("10.0")] * 8)
   assert "mxfp8_impl=auto -> block_scaled" in blackwell.detail and "fp8 kernels need sm_90" in blackwell.detail
-  hopper = doctor.check_quantization([Gpu("9.0")] * 8, hopper_kernels=True)
+  hopper = doctor.check_quantization([Gpu("9.0")] * 8)
   assert "mxfp8_impl=auto -> emulated" in hopper.detail and "Hopper kernels (moe_gmm_backend=mosaic)" in hopper.detail
-  assert "-> emulated" in doctor.check_quantization([Gpu("10.0"), Gpu("9.0")], hopper_kernels=False).detail  # not every GPU has it
-  assert "-> emulated" in doctor.check_quantization(jax.devices(), hopper_kernels=False).detail
+  mixed = doctor.check_quantization([Gpu("10.0"), Gpu("9.0")])  # not every GPU has either
+  assert "-> emulated" in mixed.detail and "fp8 kernels need sm_90" in mixed.detail
+  assert "-> emulated" in doctor.check_quantization(jax.devices()).detail
 
 
 def test_version_tuple_compares_like_jaxlib():
