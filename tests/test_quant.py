@@ -471,22 +471,27 @@ def test_tiny_recipe_300_steps_within_two_percent(tiny_config):
 
 
 # ---- GPU lowering ----
-def test_fp8_blockwise_kernels_compile_for_h200():
-  """Forward, dgrad and wgrad of fp8_blockwise compile for a compile-only H200 (Mosaic GPU lowering checks
-  the fp8 wgmma operand layouts, shared memory and TMA shapes; Triton lowering the quantisation kernels) at
-  DeepSeek-V3's gate/up shape, from bf16 rows and from rows quantised before the permute. (Widths and row
-  counts that are not tile multiples run in the interpreter test above.)"""
+def _compile_for_gpu(*args: str) -> dict:
+  """tests/compile_only/lower_fp8_for_gpu.py's results for `args`, run where the CUDA plugin is importable."""
   repo = Path(__file__).resolve().parents[1]
   site = Path(os.environ.get("MAXTEXT_GPU_AOT_SITE", repo / ".venv" / "gpu-aot"))
   if not (site / "jax_plugins").is_dir():
     pytest.skip(f"CUDA plugin not installed in {site}")
   env = {**os.environ, "PYTHONPATH": f"{site}:{repo}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   script = repo / "tests" / "compile_only" / "lower_fp8_for_gpu.py"
+  proc = subprocess.run([sys.executable, str(script), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_fp8_blockwise_kernels_compile_for_h200():
+  """Forward, dgrad and wgrad of fp8_blockwise compile for a compile-only H200 (Mosaic GPU lowering checks
+  the fp8 wgmma operand layouts, shared memory and TMA shapes; Triton lowering the quantisation kernels) at
+  DeepSeek-V3's gate/up shape, from bf16 rows and from rows quantised before the permute. (Widths and row
+  counts that are not tile multiples run in the interpreter test above.)"""
   for kernels in [f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS]:
-    proc = subprocess.run([sys.executable, str(script), kernels, "4096x7168x4096x8"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    for shape, result in json.loads(lines[-1].removeprefix("RESULT ")).items():
+    for shape, result in _compile_for_gpu(kernels, "4096x7168x4096x8").items():
       # fwd, dgrad and wgrad for gmm and again for gmm.from_quantized_rows; the fused variant's quantisation
       # kernels (Triton) besides: w, x, dy and the requantised fp8 rows, fewer where XLA merges equal calls.
       fused = fp8_blockwise.MOSAIC_VARIANTS[kernels.split(":")[1]].get("fused_quantize", False)
@@ -531,17 +536,8 @@ def test_block_scaled_mxfp8_compiles_to_triton_scaled_dots_for_b200():
   products to XLA scaled-dot ops with e4m3 operands, each in a Triton GEMM fusion (tt.dot_scaled: the
   tensor-core block-scaled MMA on sm_100), not to a dequantise + dot; on an H200 auto keeps the emulation
   (the three Mosaic bf16 kernels), and a forced block_scaled compiles as on the B200."""
-  repo = Path(__file__).resolve().parents[1]
-  site = Path(os.environ.get("MAXTEXT_GPU_AOT_SITE", repo / ".venv" / "gpu-aot"))
-  if not (site / "jax_plugins").is_dir():
-    pytest.skip(f"CUDA plugin not installed in {site}")
-  env = {**os.environ, "PYTHONPATH": f"{site}:{repo}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  script = repo / "tests" / "compile_only" / "lower_fp8_for_gpu.py"
   want = {("b200", "mxfp8"): ("NVIDIA B200", 0, 3), ("h200", "mxfp8"): ("NVIDIA H200", 3, 0), ("h200", "mxfp8:block_scaled"): ("NVIDIA H200", 0, 3)}
   for (gpu, fmt), (kind, mosaic, scaled) in want.items():
-    proc = subprocess.run([sys.executable, str(script), "--gpu", gpu, fmt, "4096x7168x2048x8"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    (result,) = json.loads(lines[-1].removeprefix("RESULT ")).values()
+    (result,) = _compile_for_gpu("--gpu", gpu, fmt, "4096x7168x2048x8").values()
     got = (result["device_kind"], result["mosaic_kernels"], result["scaled_dots"], result["triton_gemm_fusions"] >= result["scaled_dots"], result["fp8_operands"])
     assert got == (kind, mosaic, scaled, True, True), (gpu, fmt, result)

@@ -99,39 +99,44 @@ def test_relative_output_directory_checkpoints(tiny_config, tmp_path, monkeypatc
 OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 105.30GiB with allocator GPU_0_bfc on device 0. [executable_name='jit_step']"
 
 
-def test_out_of_memory_is_one_line_and_a_fresh_run_directory_is_removed(tmp_path):
+def _out_of_memory_in(run_dir, before=lambda: None) -> str:
+  """The UserError line of an out-of-memory error raised in `run_dir` (after `before`) by a fresh run."""
   from MaxText.errors import UserError
   from MaxText.train import out_of_memory_is_a_user_error
 
-  run_dir = tmp_path / "fresh"
   with pytest.raises(UserError) as e:
     with out_of_memory_is_a_user_error(run_dir, fresh=True):
-      run_dir.mkdir()
-      (run_dir / "config.yml").write_text("x")
-      (run_dir / "metrics.jsonl").write_text("")  # the writer opened it; no step was logged
+      before()
       raise jax.errors.JaxRuntimeError(OOM)
-  assert "ran out of memory (Out of memory while trying to allocate 105.30GiB" in str(e.value)
-  assert "per_device_batch_size" in str(e.value) and "\n" not in str(e.value)
+  return str(e.value)
+
+
+def test_out_of_memory_is_one_line_and_a_fresh_run_directory_is_removed(tmp_path):
+  run_dir = tmp_path / "fresh"
+
+  def start():
+    run_dir.mkdir()
+    (run_dir / "config.yml").write_text("x")
+    (run_dir / "metrics.jsonl").write_text("")  # the writer opened it; no step was logged
+
+  line = _out_of_memory_in(run_dir, start)
+  assert "ran out of memory (Out of memory while trying to allocate 105.30GiB" in line
+  assert "per_device_batch_size" in line and "\n" not in line
   assert not run_dir.exists()  # the same run_name can be tried again
 
 
 def test_out_of_memory_keeps_a_run_directory_with_steps_or_checkpoints_and_other_errors_pass(tmp_path):
-  from MaxText.errors import UserError
   from MaxText.train import out_of_memory_is_a_user_error
 
   run_dir = tmp_path / "run"
   run_dir.mkdir()
   (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-  with pytest.raises(UserError):
-    with out_of_memory_is_a_user_error(run_dir, fresh=True):
-      raise jax.errors.JaxRuntimeError(OOM)
+  _out_of_memory_in(run_dir)
   assert (run_dir / "metrics.jsonl").exists()
   saved = tmp_path / "saved"  # a checkpoint written before any step was logged (log_period > checkpoint_period)
   (saved / "checkpoints" / "5").mkdir(parents=True)
   (saved / "metrics.jsonl").write_text("")
-  with pytest.raises(UserError):
-    with out_of_memory_is_a_user_error(saved, fresh=True):
-      raise jax.errors.JaxRuntimeError(OOM)
+  _out_of_memory_in(saved)
   assert (saved / "checkpoints" / "5").is_dir()
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
     with out_of_memory_is_a_user_error(run_dir, fresh=True):
@@ -142,14 +147,9 @@ def test_out_of_memory_keeps_a_run_directory_with_steps_or_checkpoints_and_other
 def test_out_of_memory_leaves_the_run_directory_of_other_processes(tmp_path, monkeypatch):
   """Only process 0 writes metrics.jsonl: on a host with its own run directory, process 1 would see no
   logged step after any number of them, so it never removes its directory."""
-  from MaxText.errors import UserError
-  from MaxText.train import out_of_memory_is_a_user_error
-
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   run_dir = tmp_path / "host1"
   run_dir.mkdir()
   (run_dir / "config.yml").write_text("x")
-  with pytest.raises(UserError):
-    with out_of_memory_is_a_user_error(run_dir, fresh=True):
-      raise jax.errors.JaxRuntimeError(OOM)
+  _out_of_memory_in(run_dir)
   assert (run_dir / "config.yml").exists()
