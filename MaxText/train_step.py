@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import host_offload, model, params
 from MaxText.config import Config
+from MaxText.errors import UserError
 from MaxText import quant
 from MaxText.moe import gmm, router
 from MaxText.optimizer import learning_rate_schedule, make_optimizer
@@ -38,7 +39,10 @@ class Trainer:
   """Builds the state and step for one config on one mesh."""
 
   def __init__(self, cfg: Config, mesh: Mesh):
-    backend, why = gmm.resolve(cfg.moe.moe_gmm_backend, mesh.devices.flat[0], cfg.model.dtype)
+    try:
+      backend, why = gmm.resolve(cfg.moe.moe_gmm_backend, mesh.devices.flat[0], cfg.model.dtype)
+    except ValueError as e:
+      raise UserError(str(e)) from None
     if backend != cfg.moe.moe_gmm_backend:
       print(f"moe_gmm_backend={cfg.moe.moe_gmm_backend} -> {backend}: {why}", flush=True)
       cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_gmm_backend=backend))

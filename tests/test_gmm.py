@@ -1,5 +1,9 @@
 """Grouped GEMM backends on CPU: the VJP rule against jax.grad of ragged_dot, padded, registry, auto, tiles."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +116,25 @@ def test_auto_resolves_by_device_and_says_why():
   assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA A100", "8.0"), "bfloat16")[0] == "xla"
   assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "float32")[0] == "xla"
   assert gmm.resolve("xla", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == ("xla", "chosen in the config")
+  assert gmm.resolve("mosaic", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == ("mosaic", "chosen in the config")
+  with pytest.raises(ValueError, match="moe_gmm_backend=mosaic runs Hopper .sm_90. wgmma kernels; NVIDIA B200 is sm_100: choose moe_gmm_backend=auto or xla"):
+    gmm.resolve("mosaic", FakeDevice("gpu", "NVIDIA B200", "10.0"), "bfloat16")
+
+
+def test_hopper_kernels_on_a_blackwell_plan_are_one_line_and_exit_2():
+  """A Hopper recipe (moe_gmm_backend=mosaic) planned for a B200: one line saying what to choose, not
+  Mosaic's compile error."""
+  from conftest import REPO
+
+  site = REPO / ".venv" / "gpu-aot"
+  if not (site / "jax_plugins").is_dir():
+    pytest.skip(f"CUDA plugin not installed in {site}")
+  env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  proc = subprocess.run([sys.executable, "-m", "MaxText.aot", "recipes/deepseek_v3_tiny.yml", "--gpu", "b200", "--num-gpus", "1", "moe_gmm_backend=mosaic", "dtype=bfloat16"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].endswith("choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)"), proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
 
 
 def test_mosaic_tiles_and_padding():

@@ -57,10 +57,14 @@ def get_gmm(name: str, mosaic_kernels: str | None = None) -> Gmm:
 
 
 def resolve(name: str, device: jax.Device, dtype: str) -> tuple[str, str]:
-  """The backend to run for `name` on `device`, and why."""
+  """The backend to run for `name` on `device`, and why. A GPU that cannot run the named backend's kernels
+  (mosaic's wgmma needs sm_90 exactly) is a ValueError with what to choose instead."""
+  capability = getattr(device, "compute_capability", None)
+  if name == "mosaic" and device.platform == "gpu" and capability != "9.0":
+    raise ValueError(f"moe_gmm_backend=mosaic runs Hopper (sm_90) wgmma kernels; {device.device_kind} is sm_{str(capability).replace('.', '')}: "
+                     "choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)")
   if name != "auto":
     return name, "chosen in the config"
-  capability = getattr(device, "compute_capability", None)
   if device.platform == "gpu" and capability == "9.0" and available("mosaic") and dtype in ("bfloat16", "float16"):
     return "mosaic", f"{device.device_kind} is sm_90 and dtype={dtype}: Mosaic GPU kernels measured fastest ({AUTO_EVIDENCE})"
   why = "not an sm_90 GPU" if capability != "9.0" else f"dtype={dtype} is not bf16/fp16" if available("mosaic") else "Mosaic GPU kernels not in this jax"
