@@ -2,8 +2,9 @@
 
 The same format and contractions as mxfp8.py, but the products take the e4m3 values and e8m0 scales
 as they are, through jax.lax.scaled_dot: XLA compiles each into a Triton GEMM fusion whose tt.dot_scaled
-is the tensor cores' block-scaled MMA on sm_100+ (the scales applied in the MMA); Triton dequantises in
-the kernel elsewhere. (jax.nn.scaled_matmul, the cuDNN route, splits the scales wrongly when the SPMD
+is the tensor cores' block-scaled MMA on sm_100+ (the scales applied in the MMA). Elsewhere XLA
+dequantises first (on an H200: its own fusions, then cuBLAS bf16 GEMMs, slower than the emulation, which
+mxfp8_impl=auto runs there). (jax.nn.scaled_matmul, the cuDNN route, splits the scales wrongly when the SPMD
 partitioner shards the contraction axis into pieces that are not whole blocks: NaN outputs on CPU; XLA
 partitions scaled_dot itself.)
 
