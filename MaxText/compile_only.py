@@ -25,7 +25,7 @@ class GpuSpec:
 
 
 # Hopper SXM parts: same SM count and clocks; they differ in HBM size and bandwidth. B200 (HGX): used to
-# check what XLA compiles for Blackwell (cuDNN's block-scaled GEMM for mxfp8); never run here.
+# check what XLA compiles for Blackwell (mxfp8's block-scaled products); never run here.
 GPUS = {
     "h100": GpuSpec("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000),
     "h200": GpuSpec("NVIDIA H200", 150_754_820_096, 4_800_000_000_000),

@@ -173,6 +173,11 @@ def is_gpu(device) -> bool:
   return device.platform in ("gpu", "cuda")
 
 
+def all_hopper(devices: list) -> bool:
+  """There are GPUs, and every one is sm_90 (what the Mosaic GPU kernels need)."""
+  return any(is_gpu(d) for d in devices) and all(getattr(d, "compute_capability", None) == HOPPER for d in devices if is_gpu(d))
+
+
 def check_hopper(capabilities: set) -> Check:
   name = "hopper (sm_90)"
   purpose = "Mosaic GPU grouped-GEMM kernels (moe_gmm_backend=mosaic)"
@@ -345,7 +350,7 @@ def check_moe_backends(devices: list) -> list[Check]:
   from MaxText.moe import ep, gmm
 
   gpu = any(is_gpu(d) for d in devices)
-  hopper = gpu and all(getattr(d, "compute_capability", None) == HOPPER for d in devices if is_gpu(d))
+  hopper = all_hopper(devices)
   dispatch_ok, dispatch_not = [], []
   choices = next(f for f in dataclasses.fields(MoEConfig) if f.name == "moe_dispatch").metadata["choices"]
   for name in choices:
@@ -372,8 +377,7 @@ def check_quantization(devices: list) -> Check:
   from MaxText import quant
   from MaxText.moe import gmm
 
-  hopper_kernels = gmm.available("mosaic") and any(is_gpu(d) for d in devices) and all(
-      getattr(d, "compute_capability", None) == HOPPER for d in devices if is_gpu(d))
+  hopper_kernels = gmm.available("mosaic") and all_hopper(devices)
 
   native = bool(devices) and all(quant.has_block_scaled_mma(d) for d in devices)
   mx = ("mxfp8_impl=auto -> block_scaled (tensor-core block-scaled MMA)" if native else

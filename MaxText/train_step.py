@@ -39,14 +39,14 @@ class Trainer:
   """Builds the state and step for one config on one mesh."""
 
   def __init__(self, cfg: Config, mesh: Mesh):
+    device = mesh.devices.flat[0]
     try:
-      backend, why = gmm.resolve(cfg.moe.moe_gmm_backend, mesh.devices.flat[0], cfg.model.dtype)
+      backend, why = gmm.resolve(cfg.moe.moe_gmm_backend, device, cfg.model.dtype)
     except ValueError as e:
       raise UserError(str(e)) from None
     if backend != cfg.moe.moe_gmm_backend:
       print(f"moe_gmm_backend={cfg.moe.moe_gmm_backend} -> {backend}: {why}", flush=True)
       cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_gmm_backend=backend))
-    device = mesh.devices.flat[0]
     if (impl := quant.resolve_mxfp8(cfg.moe.mxfp8_impl, device)) != cfg.moe.mxfp8_impl:
       cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mxfp8_impl=impl))
     if cfg.moe.quantization:

@@ -112,7 +112,7 @@ def describe(name: str, backend: str, device: jax.Device, mxfp8_impl: str = "emu
   """One log line: what runs for the expert GEMMs, and whether it is emulated."""
   if name == "mxfp8" and mxfp8_impl == "block_scaled":
     where = ("the tensor cores' block-scaled MMA" if has_block_scaled_mma(device) else
-             f"dequantised inside the kernel: {device.device_kind} has no block-scaled MMA (mxfp8_impl=auto picks the emulation here)")
+             f"dequantised by XLA first: {device.device_kind} has no block-scaled MMA (mxfp8_impl=auto picks the emulation here)")
     return (f"quantization=mxfp8: e4m3 operands with e8m0 scales per 32 into jax.lax.scaled_dot (XLA's Triton GEMM), "
             f"one product per group window, {where}")
   if name == "mxfp8":

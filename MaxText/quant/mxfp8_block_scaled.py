@@ -134,11 +134,11 @@ def wgrad(x, dy, group_sizes):
   window = window_rows(rows, groups)  # a power of two >= 128: whole 32-row blocks
   sizes = aligned.group_sizes
   w = windows(jnp.cumsum(sizes) - sizes, sizes, window, max_windows(aligned.padded_rows, groups, window))
-  # Rows on the contraction axis, last: [K, rows] and [N, rows], blocks of 32 along rows.
-  xq, xs = _quantize(to_aligned(x, aligned).T)
-  dq, ds = _quantize(to_aligned(dy, aligned).T)
+  # Rows on the contraction axis, last: [K, rows] and [N, rows], blocks of 32 along rows; fewer rows than
+  # a window are zero-padded (zero blocks quantise to scale byte 0).
   length = max(aligned.padded_rows, window)  # both multiples of 32: windows start on whole blocks
-  xq, xs, dq, ds = (_pad(a, (length - aligned.padded_rows) // (MX_BLOCK if a.dtype == jnp.uint8 else 1), 1) for a in (xq, xs, dq, ds))
+  xq, xs = _quantize(_pad(to_aligned(x, aligned), length - aligned.padded_rows).T)
+  dq, ds = _quantize(_pad(to_aligned(dy, aligned), length - aligned.padded_rows).T)
   dw = vjp.typed(jnp.zeros((groups, k, n), jnp.float32), x, dy, group_sizes)
 
   def body(t, dw):

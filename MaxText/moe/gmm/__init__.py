@@ -60,7 +60,7 @@ def resolve(name: str, device: jax.Device, dtype: str) -> tuple[str, str]:
   """The backend to run for `name` on `device`, and why. A GPU that cannot run the named backend's kernels
   (mosaic's wgmma needs sm_90 exactly) is a ValueError with what to choose instead."""
   capability = getattr(device, "compute_capability", None)
-  if name == "mosaic" and device.platform == "gpu" and capability != "9.0":
+  if name == "mosaic" and device.platform == "gpu" and capability not in (None, "9.0"):
     raise ValueError(f"moe_gmm_backend=mosaic runs Hopper (sm_90) wgmma kernels; {device.device_kind} is sm_{str(capability).replace('.', '')}: "
                      "choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)")
   if name != "auto":
