@@ -57,14 +57,16 @@ class MosaicKernels:
   # fused_quantize (warp-specialized): weights and activations quantised into both of their layouts in one
   # pass each (quantize_kernels.py), the wgrad operand written row-block-major by it.
   def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False,
-               fused_quantize=False):
+               fused_quantize=False, overlap_promotion=False):
     if b_block_scales and not (warp_specialized and block_n == FP8_BLOCK):
       raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n={FP8_BLOCK}")
     if fused_quantize and not warp_specialized:
       raise ValueError("fused_quantize writes the warp-specialized wgrad kernel's operand layout: it needs warp_specialized")
+    if overlap_promotion and not warp_specialized:
+      raise ValueError("overlap_promotion splits the warp-specialized consumers' K steps: it needs warp_specialized")
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
     self.fused_quantize = fused_quantize
-    self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
+    self.pipeline = {"max_concurrent_steps": max_concurrent_steps, **({"overlap_promotion": True} if overlap_promotion else {})}
     self.grid_block_n = grid_block_n
     self.row_block_major = warp_specialized  # the wgrad kernel's operand layout: see wgrad
     self.row_kernel_options = {"b_block_scales": True} if b_block_scales else {}
@@ -155,6 +157,7 @@ MOSAIC_VARIANTS = {
     "ws": {"block_m": 128, "warp_specialized": True},
     "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},
     "ws_fused_quantize": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
+    "ws_overlap": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True, "overlap_promotion": True},
 }
 KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plain"])}
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws). On an H200 (gate_up, G=8) the

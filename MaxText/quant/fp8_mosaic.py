@@ -209,19 +209,20 @@ def _ws_scaled_scratch(plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m:
 
 
 def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
-  """The consumer step and the row-ranged store shared by the warp-specialized fp8 kernels: each of the
-  two consumer warpgroups owns `half_m` rows of a (2 * half_m, block_n) tile."""
+  """The consumer's K step, split in two, and its carry, shared by the warp-specialized fp8 kernels: each
+  of the two consumer warpgroups owns `half_m` rows of a (2 * half_m, block_n) tile. `issue` starts a
+  step's wgmma into a partial accumulator, `promote` folds the finished partial into the fp32 carry with
+  the step's scales; `mma` does both, waiting for its own wgmma in between."""
 
-  def mma(a_smem, sa_smem, b_smem, carry, wg, sb_smem=None, sb_tile=None):
-    """One K step; b's scales are per column (`sb_smem`) or one value for the whole tile (`sb_tile`)."""
-    rows = pl.ds(pl.multiple_of(wg * half_m, half_m), half_m)
+  def rows(wg):
+    return pl.ds(pl.multiple_of(wg * half_m, half_m), half_m)
 
-    def product(part_ref):
-      plgpu.wgmma(part_ref, a_smem.at[rows], b_smem.transpose((1, 0)))
-      return part_ref[...]
+  def issue(a_smem, b_smem, part_ref, wg):
+    plgpu.wgmma(part_ref, a_smem.at[rows(wg)], b_smem.transpose((1, 0)))
 
-    part = pl.run_scoped(product, plgpu.ACC((half_m, block_n), jnp.float32))
-    sa = plgpu.load(sa_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+  def promote(sa_smem, part, carry, wg, sb_smem=None, sb_tile=None):
+    """b's scales are per column (`sb_smem`) or one value for the whole tile (`sb_tile`)."""
+    sa = plgpu.load(sa_smem.at[0, rows(wg)], layout=plgpu.Layout.WGMMA.reduce(1))
     if sb_smem is not None:
       sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
     # The scales were read through the generic proxy and the producer's next TMA into this slot writes
@@ -231,10 +232,19 @@ def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
       return carry + part * lax.broadcast_in_dim(sa * sb_tile, (half_m, block_n), [0])
     return carry + part * lax.broadcast_in_dim(sa, (half_m, block_n), [0]) * lax.broadcast_in_dim(sb, (half_m, block_n), [1])
 
-  return mma, lambda: _zeros(plgpu, half_m, block_n)
+  def mma(a_smem, sa_smem, b_smem, carry, wg, sb_smem=None, sb_tile=None):
+    def product(part_ref):
+      issue(a_smem, b_smem, part_ref, wg)
+      return part_ref[...]
+
+    part = pl.run_scoped(product, plgpu.ACC((half_m, block_n), jnp.float32))
+    return promote(sa_smem, part, carry, wg, sb_smem=sb_smem, sb_tile=sb_tile)
+
+  return mma, issue, promote, lambda: _zeros(plgpu, half_m, block_n)
 
 
-def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False, b_block_scales=False):
+def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False, b_block_scales=False,
+                         overlap_promotion=False):
   """scaled_ragged_dot, warp-specialized (mosaic_kernels.warp_specialized): a producer warpgroup keeps
   `max_concurrent_steps` K steps of operands and scales in flight across output tiles, and two consumer
   warpgroups each own block_m / 2 rows of a (block_m, block_n) tile. Each consumer waits for its own
@@ -244,7 +254,11 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
   b_block_scales: b_scale is the weights' own [G, K/128, N/128] block scales, and block_n = 128, so a
   tile's columns share one scale per K step. The consumers then read that one value (from global
   memory, issued before the wgmma) instead of a scale per column, and promote with one multiply-add per
-  element instead of two multiplies and an add."""
+  element instead of two multiplies and an add.
+
+  overlap_promotion: each consumer issues the next K step's wgmma before promoting the previous step's
+  partial (two partial accumulators, mosaic_kernels.warp_specialized), so the tensor cores keep working
+  while it scales and adds."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -261,7 +275,7 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
   half_m, stages = block_m // 2, max_concurrent_steps
   group, block, first, owned = mosaic_kernels.tile_schedule(group_sizes, m, block_m)
   grid_m, grid_n = group.shape[0], n // block_n
-  mma, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
+  mma, issue, promote, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
 
   def body(group_gmem, block_gmem, first_gmem, owned_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
     @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n, not b_block_scales), collective_axes="wg")
@@ -280,11 +294,20 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
         if not b_block_scales:
           plgpu.copy_gmem_to_smem(sb_gmem.at[gi, pl.ds(kb, 1), cols], sb_smem.at[slot], barrier)
 
-      def step(info, kb, slot, carry, wg):
+      def b_scales(info, kb, slot):
         if b_block_scales:
           mi, ni, _, _ = info
-          return mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_tile=sb_gmem[group_gmem[mi], kb, ni])
-        return mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_smem=sb_smem.at[slot])
+          return {"sb_tile": sb_gmem[group_gmem[mi], kb, ni]}
+        return {"sb_smem": sb_smem.at[slot]}
+
+      def step(info, kb, slot, carry, wg):
+        return mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, **b_scales(info, kb, slot))
+
+      def issue_step(info, kb, slot, part_ref, wg):
+        issue(a_smem.at[slot], b_smem.at[slot], part_ref, wg)
+
+      def promote_step(info, kb, slot, part, carry, wg):
+        return promote(sa_smem.at[slot], part, carry, wg, **b_scales(info, kb, slot))
 
       def store(info, acc, wg):
         mi, ni, count, row_block = info
@@ -299,20 +322,23 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
 
       mosaic_kernels.warp_specialized(
           tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=lambda info: jnp.where(info[2] > 0, k // BLOCK_K, 0),
-          load=load, mma=step, store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
+          load=load, store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry,
+          **({"mma": issue_step, "promote": promote_step} if overlap_promotion else {"mma": step}))
 
   kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), interpret)
   return kernel(group, block, first, owned, a, a_scale, b, b_scale)
 
 
-def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=1, out_dtype=jnp.bfloat16, interpret=False):
+def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=1, out_dtype=jnp.bfloat16, interpret=False,
+                                    overlap_promotion=False):
   """scaled_transposed_ragged_dot, warp-specialized like scaled_ragged_dot_ws: (block_m, block_n) tiles
   of each group's weight gradient, K steps over the group's 128-row blocks.
 
   Operands are row-block-major: a [R/128, K, 128] (x's rows j*128..j*128+127 of column k at a[j, k]),
   b [R/128, N, 128]; each TMA load takes one row block of block_m columns, contraction contiguous as
   fp8 wgmma wants. XLA writes this layout in the quantisation pass itself; a plain [K, R] transpose
-  costs it a second pass over the operand (benchmarks/results/2026-12-03-h200-fp8-block-scales)."""
+  costs it a second pass over the operand (benchmarks/results/2026-12-03-h200-fp8-block-scales).
+  overlap_promotion as in scaled_ragged_dot_ws."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -327,7 +353,7 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
   sizes = group_sizes.astype(jnp.int32)
   first_blocks = (jnp.cumsum(sizes) - sizes) // BLOCK_K
   grid_k, grid_n = k // block_m, n // block_n
-  mma, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
+  mma, issue, promote, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
 
   def body(sizes_gmem, first_blocks_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
     @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n), collective_axes="wg")
@@ -354,10 +380,16 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(ki * block_m + wg * half_m, half_m), pl.ds(ni * block_n, block_n)])
 
+      if overlap_promotion:
+        steps = {
+            "mma": lambda info, j, slot, part_ref, wg: issue(a_smem.at[slot], b_smem.at[slot], part_ref, wg),
+            "promote": lambda info, j, slot, part, carry, wg: promote(sa_smem.at[slot], part, carry, wg, sb_smem=sb_smem.at[slot]),
+        }
+      else:
+        steps = {"mma": lambda info, j, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_smem=sb_smem.at[slot])}
       mosaic_kernels.warp_specialized(
           tiles=(g, grid_k * grid_n), tile_info=tile_info, num_steps=lambda info: sizes_gmem[info[0]] // BLOCK_K,
-          load=load, mma=lambda info, j, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_smem=sb_smem.at[slot]),
-          store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
+          load=load, store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry, **steps)
 
   kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), out_dtype), interpret)
   return kernel(sizes, first_blocks.astype(jnp.int32), a, a_scale, b, b_scale)

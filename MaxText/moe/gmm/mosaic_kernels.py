@@ -256,7 +256,7 @@ def _row_bookkeeping(group_sizes, block_k: int):
 MEMORY_REGISTERS, COMPUTE_REGISTERS = 40, 232  # per thread: 2 x 232 + 40 warpgroups' worth fit the 64K register file
 
 
-def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: int, loaded, consumed, acc_shape=None, init_carry=None):
+def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: int, loaded, consumed, acc_shape=None, init_carry=None, promote=None):
   """The loop nest of a warp-specialized persistent kernel, run by warpgroups 0 and 1 (consumers) and 2
   (producer) of a program.
 
@@ -268,7 +268,11 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
   - `acc_shape`: `mma(info, kk, slot, acc_ref, wg)` issues wgmma into an accumulator; one wgmma stays
     in flight, and a slot is released once the wgmma that read it is done;
   - `init_carry()`: `mma(info, kk, slot, carry, wg) -> carry` waits for its own wgmma (fp8 promotes
-    each step's partial into an fp32 carry), and releases the slot as soon as it returns.
+    each step's partial into an fp32 carry), and releases the slot as soon as it returns;
+  - `init_carry()` and `promote`: `mma(info, kk, slot, part_ref, wg)` issues step kk's wgmma into a
+    fresh partial accumulator and `promote(info, kk, slot, part, carry, wg) -> carry` folds a finished
+    partial into the carry. Steps go in pairs, so step kk + 1's wgmma runs while step kk is promoted
+    (`_overlapped_steps`).
   """
   wg = lax.axis_index("wg")
   in_flight = 1 if acc_shape is not None else 0
@@ -307,6 +311,17 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
       info = tile_info(loop_info)
       nb = num_steps(info)
 
+      def _issue_step(kk, part_ref):
+        slot = lax.rem(carry + kk, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        mma(info, kk, slot, part_ref, wg)
+
+      def _finish_step(kk, part, state):
+        slot = lax.rem(carry + kk, stages)
+        state = promote(info, kk, slot, part, state, wg)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return state
+
       def steps(state, mma_step):
         def step(kk, state):
           step = carry + kk
@@ -331,7 +346,9 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
 
         return state
 
-      if acc_shape is not None:
+      if promote is not None:
+        acc = _overlapped_steps(nb, init_carry(), issue=_issue_step, finish=_finish_step)
+      elif acc_shape is not None:
         def acc_scope(acc_ref):
           def mma_step(kk, slot, state):
             mma(info, kk, slot, acc_ref, wg)  # accumulates in acc_ref: the loop carries nothing
@@ -349,6 +366,36 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   lax.cond(wg == 2, producer, consumer)
+
+
+def _overlapped_steps(nb, init, *, issue, finish):
+  """Steps 0..nb-1 of one tile in pairs: both steps' wgmmas are issued into fresh partial accumulators
+  before the first partial is read (wgmma_wait(1) leaves the second in flight), so the first promotion
+  overlaps the second MMA, and each consumer keeps two steps of MMA queued. A pair's partials live in
+  one scope (a scope's accumulators start at zero, as each step's partial must); an odd last step runs
+  alone."""
+
+  def read(part_ref, in_flight):
+    return plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
+
+  def pair(i, state):
+    def scope(p0, p1):
+      issue(2 * i, p0)
+      issue(2 * i + 1, p1)
+      state2 = finish(2 * i, read(p0, 1), state)
+      return finish(2 * i + 1, read(p1, 0), state2)
+
+    return pl.run_scoped(scope, plgpu.ACC(init.shape, init.dtype), plgpu.ACC(init.shape, init.dtype))
+
+  def last(state):
+    def scope(p0):
+      issue(nb - 1, p0)
+      return finish(nb - 1, read(p0, 0), state)
+
+    return pl.run_scoped(scope, plgpu.ACC(init.shape, init.dtype))
+
+  state = lax.fori_loop(0, nb // 2, pair, init)
+  return lax.cond(nb % 2 == 1, last, lambda state: state, state)
 
 
 def ws_kernel(body, out_type, interpret):
