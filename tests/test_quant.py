@@ -323,7 +323,7 @@ def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode(variant, c
   sizes = jnp.array([60, 0, 261, 4], jnp.int32)  # 325 rows: 15 padding rows, a group of 4, one empty
   kw = fp8_blockwise.MOSAIC_VARIANTS[variant]
   if kw.get("warp_specialized"):  # 2 stages, so that the ring of buffers is reused within and across tiles
-    kernels = fp8_blockwise.MosaicKernels(**kw, max_concurrent_steps=2, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    kernels = fp8_blockwise.MosaicKernels(**{**kw, "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams(detect_races=True))
   else:
     kernels = fp8_blockwise.MosaicKernels(**kw, interpret=plgpu.InterpretGPUParams())
   got = _run(fp8_blockwise.make_gmm(kernels), x, w, dy, sizes)

@@ -58,8 +58,8 @@ class MosaicKernels:
   # pass each (quantize_kernels.py), the wgrad operand written row-block-major by it.
   def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False,
                fused_quantize=False, overlap_promotion=False):
-    if b_block_scales and not (warp_specialized and block_n == FP8_BLOCK):
-      raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n={FP8_BLOCK}")
+    if b_block_scales and not (warp_specialized and block_n % FP8_BLOCK == 0):
+      raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n a multiple of {FP8_BLOCK}")
     if fused_quantize and not warp_specialized:
       raise ValueError("fused_quantize writes the warp-specialized wgrad kernel's operand layout: it needs warp_specialized")
     if overlap_promotion and not warp_specialized:
@@ -84,8 +84,8 @@ class MosaicKernels:
       a = _pad(a, 0, bm)
     sa = _pad(aq.scale.T, 1, bm)  # [K/128, M rounded up]
     b = _pad(_pad(wq_t, 1, bn), 2, FP8_BLOCK)
-    if self.row_kernel_options:  # block_n = 128: a tile's columns are one weight block
-      sb = ws_t
+    if self.row_kernel_options:  # block_n a multiple of 128: each 128 columns of a tile are one weight block
+      sb = _pad(ws_t, 2, bn // FP8_BLOCK)
     else:
       sb = _pad(jnp.repeat(ws_t, FP8_BLOCK, axis=2)[:, :, :n], 2, bn)  # each column's weight-block scale
     y = self._ragged(
@@ -158,6 +158,7 @@ MOSAIC_VARIANTS = {
     "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},
     "ws_fused_quantize": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
     "ws_overlap": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True, "overlap_promotion": True},
+    "ws_wide": {"block_m": 128, "block_n": 256, "max_concurrent_steps": 3, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
 }
 KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plain"])}
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws). On an H200 (gate_up, G=8) the

@@ -190,16 +190,19 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
   return kernel(sizes, starts, a, a_scale, b, b_scale)
 
 
+SUB_N = 128  # columns per consumer wgmma in the warp-specialized kernels: see _ws_scaled_parts
+
+
 def _ws_scaled_scratch(plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m: int, block_n: int, column_scales: bool = True) -> dict:
   """Shared memory of the warp-specialized fp8 kernels: a ring of operand and scale buffers, one output
-  buffer per consumer, and the ring's barriers (a step's copies; both consumers' releases). Without
-  `column_scales` (one b scale per tile and step, read by the consumers from global memory) the ring
-  holds no b scales."""
+  buffer per consumer (in SUB_N-wide column blocks), and the ring's barriers (a step's copies; both
+  consumers' releases). Without `column_scales` (b scales per tile and step, read by the consumers from
+  global memory) the ring holds no b scales."""
   scratch = dict(
       a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a_dtype),
       sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
       b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b_dtype),
-      o_smem=plgpu.SMEM((2, block_m // 2, block_n), out_dtype),
+      o_smem=plgpu.SMEM((2, block_n // SUB_N, block_m // 2, SUB_N), out_dtype),
       loaded=plgpu.Barrier(num_arrivals=4 if column_scales else 3, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   )
@@ -209,38 +212,61 @@ def _ws_scaled_scratch(plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m:
 
 
 def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
-  """The consumer's K step, split in two, and its carry, shared by the warp-specialized fp8 kernels: each
-  of the two consumer warpgroups owns `half_m` rows of a (2 * half_m, block_n) tile. `issue` starts a
-  step's wgmma into a partial accumulator, `promote` folds the finished partial into the fp32 carry with
-  the step's scales; `mma` does both, waiting for its own wgmma in between."""
+  """The consumer's K step and its carry, shared by the warp-specialized fp8 kernels: each of the two
+  consumer warpgroups owns `half_m` rows of a (2 * half_m, block_n) tile.
+
+  The carry is a tuple of fp32 (half_m, SUB_N) column blocks. A step runs one wgmma per column block
+  into a fresh partial and promotes it (partial * row scale * column scale, added to the carry) before
+  the next: the carry and one partial of a 128-wide block take 2 x 64 registers per thread, so a
+  256-wide tile fits (128 + 64) where a 256-wide partial beside its carry would not (2 x 128). Wider
+  tiles read fewer operand bytes per product: 1/128 + 1/256 per element of K instead of 2/128.
+
+  `mma` runs a step; `issue` and `promote` are its halves for overlap_promotion (one column block)."""
+  subs = block_n // SUB_N
 
   def rows(wg):
     return pl.ds(pl.multiple_of(wg * half_m, half_m), half_m)
 
-  def issue(a_smem, b_smem, part_ref, wg):
-    plgpu.wgmma(part_ref, a_smem.at[rows(wg)], b_smem.transpose((1, 0)))
+  def columns(j):
+    return pl.ds(j * SUB_N, SUB_N)
 
-  def promote(sa_smem, part, carry, wg, sb_smem=None, sb_tile=None):
-    """b's scales are per column (`sb_smem`) or one value for the whole tile (`sb_tile`)."""
-    sa = plgpu.load(sa_smem.at[0, rows(wg)], layout=plgpu.Layout.WGMMA.reduce(1))
-    if sb_smem is not None:
-      sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+  def issue(a_smem, b_smem, part_ref, wg, j=0):
+    plgpu.wgmma(part_ref, a_smem.at[rows(wg)], b_smem.at[columns(j)].transpose((1, 0)))
+
+  def fold(part, carry, sa, j, sb_smem, sb_tiles):
+    """b's scales are per column (`sb_smem`) or one value per column block (`sb_tiles`)."""
+    if sb_tiles is not None:  # a row scale times the block's b scale, then one multiply-add per element
+      return carry + part * lax.broadcast_in_dim(sa * sb_tiles[j], (half_m, SUB_N), [0])
+    sb = plgpu.load(sb_smem.at[0, columns(j)], layout=plgpu.Layout.WGMMA.reduce(0))
+    return carry + part * lax.broadcast_in_dim(sa, (half_m, SUB_N), [0]) * lax.broadcast_in_dim(sb, (half_m, SUB_N), [1])
+
+  def row_scales(sa_smem, wg):
+    return plgpu.load(sa_smem.at[0, rows(wg)], layout=plgpu.Layout.WGMMA.reduce(1))
+
+  def fence_scales():
     # The scales were read through the generic proxy and the producer's next TMA into this slot writes
     # through the async proxy: fence them before the slot is released (wgmma reads need no fence).
     plgpu.commit_smem()
-    if sb_tile is not None:  # a row scale times the tile's b scale, then one multiply-add per element
-      return carry + part * lax.broadcast_in_dim(sa * sb_tile, (half_m, block_n), [0])
-    return carry + part * lax.broadcast_in_dim(sa, (half_m, block_n), [0]) * lax.broadcast_in_dim(sb, (half_m, block_n), [1])
 
-  def mma(a_smem, sa_smem, b_smem, carry, wg, sb_smem=None, sb_tile=None):
-    def product(part_ref):
-      issue(a_smem, b_smem, part_ref, wg)
-      return part_ref[...]
+  def promote(sa_smem, part, carry, wg, sb_smem=None, sb_tiles=None):
+    out = (fold(part, carry[0], row_scales(sa_smem, wg), 0, sb_smem, sb_tiles),)
+    fence_scales()
+    return out
 
-    part = pl.run_scoped(product, plgpu.ACC((half_m, block_n), jnp.float32))
-    return promote(sa_smem, part, carry, wg, sb_smem=sb_smem, sb_tile=sb_tile)
+  def mma(a_smem, sa_smem, b_smem, carry, wg, sb_smem=None, sb_tiles=None):
+    sa = row_scales(sa_smem, wg)
+    out = []
+    for j in range(subs):
+      def product(part_ref, j=j):
+        issue(a_smem, b_smem, part_ref, wg, j)
+        return part_ref[...]
 
-  return mma, issue, promote, lambda: _zeros(plgpu, half_m, block_n)
+      part = pl.run_scoped(product, plgpu.ACC((half_m, SUB_N), jnp.float32))
+      out.append(fold(part, carry[j], sa, j, sb_smem, sb_tiles))
+    fence_scales()
+    return tuple(out)
+
+  return mma, issue, promote, lambda: tuple(_zeros(plgpu, half_m, SUB_N) for _ in range(subs))
 
 
 def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False, b_block_scales=False,
@@ -251,10 +277,10 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
   wgmma before promoting the partial, so the other's wgmma keeps the tensor cores busy meanwhile.
   Rows follow mosaic_kernels.tile_schedule (no dead tiles).
 
-  b_block_scales: b_scale is the weights' own [G, K/128, N/128] block scales, and block_n = 128, so a
-  tile's columns share one scale per K step. The consumers then read that one value (from global
-  memory, issued before the wgmma) instead of a scale per column, and promote with one multiply-add per
-  element instead of two multiplies and an add.
+  b_block_scales: b_scale is the weights' own [G, K/128, N/128] block scales, and block_n a multiple of
+  128, so each 128 columns of a tile share one scale per K step. The consumers then read those values
+  (from global memory, issued before the wgmma) instead of a scale per column, and promote with one
+  multiply-add per element instead of two multiplies and an add.
 
   overlap_promotion: each consumer issues the next K step's wgmma before promoting the previous step's
   partial (two partial accumulators, mosaic_kernels.warp_specialized), so the tensor cores keep working
@@ -266,12 +292,14 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
 
   m, k = a.shape
   g, n, k2 = b.shape
-  if k != k2 or k % BLOCK_K or n % block_n or block_m % 128:
-    raise ValueError(f"scaled_ragged_dot_ws: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of block_n={block_n}; block_m a multiple of 128")
+  if k != k2 or k % BLOCK_K or n % block_n or block_m % 128 or block_n % SUB_N:
+    raise ValueError(f"scaled_ragged_dot_ws: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of block_n={block_n}; block_m and block_n multiples of 128")
   if a_scale.shape[1] < pl.cdiv(m, block_m) * block_m:
     raise ValueError(f"a_scale {a_scale.shape} must cover {pl.cdiv(m, block_m) * block_m} rows")
-  if b_block_scales and (block_n != BLOCK_K or b_scale.shape != (g, k // BLOCK_K, n // BLOCK_K)):
-    raise ValueError(f"b_block_scales: block_n must be {BLOCK_K} (got {block_n}) and b_scale [G, K/128, N/128] = {(g, k // BLOCK_K, n // BLOCK_K)} (got {b_scale.shape})")
+  if b_block_scales and b_scale.shape != (g, k // BLOCK_K, n // BLOCK_K):
+    raise ValueError(f"b_block_scales: b_scale must be [G, K/128, N/128] = {(g, k // BLOCK_K, n // BLOCK_K)} (got {b_scale.shape})")
+  if overlap_promotion and block_n != SUB_N:
+    raise ValueError(f"overlap_promotion: block_n must be {SUB_N} (got {block_n})")
   half_m, stages = block_m // 2, max_concurrent_steps
   group, block, first, owned = mosaic_kernels.tile_schedule(group_sizes, m, block_m)
   grid_m, grid_n = group.shape[0], n // block_n
@@ -297,7 +325,7 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
       def b_scales(info, kb, slot):
         if b_block_scales:
           mi, ni, _, _ = info
-          return {"sb_tile": sb_gmem[group_gmem[mi], kb, ni]}
+          return {"sb_tiles": [sb_gmem[group_gmem[mi], kb, ni * (block_n // SUB_N) + j] for j in range(block_n // SUB_N)]}
         return {"sb_smem": sb_smem.at[slot]}
 
       def step(info, kb, slot, carry, wg):
@@ -316,9 +344,11 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
         hi = jnp.minimum(first_gmem[mi] + count, (wg + 1) * half_m)
         out = o_smem.at[wg]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
-        out[...] = acc.astype(out.dtype)
+        for j, part in enumerate(acc):
+          out.at[j][...] = part.astype(out.dtype)
         plgpu.commit_smem()
-        mosaic_kernels.store_rows(out, o_gmem, row_block * block_m + wg * half_m, lo - wg * half_m, jnp.maximum(hi - lo, 0), ni * block_n, half_m, block_n)
+        for j in range(len(acc)):
+          mosaic_kernels.store_rows(out.at[j], o_gmem, row_block * block_m + wg * half_m, lo - wg * half_m, jnp.maximum(hi - lo, 0), ni * block_n + j * SUB_N, half_m, SUB_N)
 
       mosaic_kernels.warp_specialized(
           tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=lambda info: jnp.where(info[2] > 0, k // BLOCK_K, 0),
@@ -347,8 +377,10 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
   row_blocks, k, a_block = a.shape
   row_blocks2, n, b_block = b.shape
   g = group_sizes.shape[0]
-  if row_blocks != row_blocks2 or a_block != BLOCK_K or b_block != BLOCK_K or k % block_m or n % block_n or block_m % 128:
-    raise ValueError(f"scaled_transposed_ragged_dot_ws: a {a.shape}, b {b.shape}: [row blocks, K or N, {BLOCK_K}] with the same row blocks; K a multiple of block_m={block_m} (itself of 128), N of block_n={block_n}")
+  if row_blocks != row_blocks2 or a_block != BLOCK_K or b_block != BLOCK_K or k % block_m or n % block_n or block_m % 128 or block_n % SUB_N:
+    raise ValueError(f"scaled_transposed_ragged_dot_ws: a {a.shape}, b {b.shape}: [row blocks, K or N, {BLOCK_K}] with the same row blocks; K a multiple of block_m={block_m}, N of block_n={block_n} (both multiples of 128)")
+  if overlap_promotion and block_n != SUB_N:
+    raise ValueError(f"overlap_promotion: block_n must be {SUB_N} (got {block_n})")
   half_m, stages = block_m // 2, max_concurrent_steps
   sizes = group_sizes.astype(jnp.int32)
   first_blocks = (jnp.cumsum(sizes) - sizes) // BLOCK_K
@@ -376,9 +408,11 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
         gi, ki, ni = info
         out = o_smem.at[wg]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out[...] = acc.astype(out.dtype)
+        for j, part in enumerate(acc):
+          out.at[j][...] = part.astype(out.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(ki * block_m + wg * half_m, half_m), pl.ds(ni * block_n, block_n)])
+        for j in range(len(acc)):
+          plgpu.copy_smem_to_gmem(out.at[j], o_gmem.at[gi, pl.ds(ki * block_m + wg * half_m, half_m), pl.ds(ni * block_n + j * SUB_N, SUB_N)])
 
       if overlap_promotion:
         steps = {

@@ -373,7 +373,8 @@ def _overlapped_steps(nb, init, *, issue, finish):
   before the first partial is read (wgmma_wait(1) leaves the second in flight), so the first promotion
   overlaps the second MMA, and each consumer keeps two steps of MMA queued. A pair's partials live in
   one scope (a scope's accumulators start at zero, as each step's partial must); an odd last step runs
-  alone."""
+  alone. The carry is a 1-tuple of a partial-shaped array (fp8_mosaic._ws_scaled_parts)."""
+  shape, dtype = init[0].shape, init[0].dtype
 
   def read(part_ref, in_flight):
     return plgpu.wgmma_accumulator_load(part_ref, wait_n=in_flight)
@@ -385,14 +386,14 @@ def _overlapped_steps(nb, init, *, issue, finish):
       state2 = finish(2 * i, read(p0, 1), state)
       return finish(2 * i + 1, read(p1, 0), state2)
 
-    return pl.run_scoped(scope, plgpu.ACC(init.shape, init.dtype), plgpu.ACC(init.shape, init.dtype))
+    return pl.run_scoped(scope, plgpu.ACC(shape, dtype), plgpu.ACC(shape, dtype))
 
   def last(state):
     def scope(p0):
       issue(nb - 1, p0)
       return finish(nb - 1, read(p0, 0), state)
 
-    return pl.run_scoped(scope, plgpu.ACC(init.shape, init.dtype))
+    return pl.run_scoped(scope, plgpu.ACC(shape, dtype))
 
   state = lax.fori_loop(0, nb // 2, pair, init)
   return lax.cond(nb % 2 == 1, last, lambda state: state, state)
