@@ -53,7 +53,7 @@ def main() -> int:
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--kernel-sets", default="", help="comma-separated Mosaic kernel sets (default: all)")
   ap.add_argument("--quant", default="", help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8; "
-                  "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize); "
+                  "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize, ws_wide); "
                   "mxfp8:IMPL for an mxfp8_impl (emulated, block_scaled)")
   ap.add_argument("--cases", default="4:balanced,32:balanced,32:skewed", help="comma-separated GROUPS:SIZES")
   args = ap.parse_args()

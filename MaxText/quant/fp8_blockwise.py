@@ -50,23 +50,26 @@ class MosaicKernels:
   """Lay the quantised operands out as the Hopper kernels need (K-major, widths padded) and call them."""
 
   # A warpgroup holds the fp32 carry and the per-block partial of 64x128 in registers (2 x 64 per thread):
-  # one per CTA, or (warp_specialized) two consumers on 128 x 128 tiles beside a producer warpgroup.
-  # Untuned on hardware: sweep with benchmarks/grouped_gemm.py --quant --fp8-tiles.
-  # b_block_scales (warp-specialized, block_n 128): fwd/dgrad take the weights' 128x128 block scales as
-  # they are, one per tile and K step, instead of one per column (fp8_mosaic.scaled_ragged_dot_ws).
+  # one per CTA, or (warp_specialized) two consumers on 128 x block_n tiles beside a producer warpgroup,
+  # 128-column blocks of the carry promoted one at a time (fp8_mosaic._ws_scaled_parts).
+  # b_block_scales (warp-specialized): fwd/dgrad take the weights' 128x128 block scales as they are, one
+  # per 128 columns and K step, instead of one per column (fp8_mosaic.scaled_ragged_dot_ws).
   # fused_quantize (warp-specialized): weights and activations quantised into both of their layouts in one
   # pass each (quantize_kernels.py), the wgrad operand written row-block-major by it.
+  # wgrad: the weight-gradient kernel's own block_n / max_concurrent_steps / overlap_promotion (its
+  # per-column scales need registers that a 256-wide tile does not leave: ptxas spills it, 1.8x slower).
   def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False,
-               fused_quantize=False, overlap_promotion=False):
+               fused_quantize=False, wgrad=None):
     if b_block_scales and not (warp_specialized and block_n % FP8_BLOCK == 0):
       raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n a multiple of {FP8_BLOCK}")
     if fused_quantize and not warp_specialized:
       raise ValueError("fused_quantize writes the warp-specialized wgrad kernel's operand layout: it needs warp_specialized")
-    if overlap_promotion and not warp_specialized:
-      raise ValueError("overlap_promotion splits the warp-specialized consumers' K steps: it needs warp_specialized")
+    if wgrad and not warp_specialized:
+      raise ValueError("wgrad tiles apart from the forward's are for the warp-specialized kernels")
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
     self.fused_quantize = fused_quantize
-    self.pipeline = {"max_concurrent_steps": max_concurrent_steps, **({"overlap_promotion": True} if overlap_promotion else {})}
+    self.pipeline = {"max_concurrent_steps": max_concurrent_steps}
+    self.wgrad_options = {"block_n": block_n, **self.pipeline, **(wgrad or {})}
     self.grid_block_n = grid_block_n
     self.row_block_major = warp_specialized  # the wgrad kernel's operand layout: see wgrad
     self.row_kernel_options = {"b_block_scales": True} if b_block_scales else {}
@@ -119,14 +122,15 @@ class MosaicKernels:
 
   def wgrad(self, xq, dyq, aligned_sizes, out_dtype):
     k, n = xq.scale.shape[1], dyq.scale.shape[1]  # scales [R/128, K] whichever layout the values have
-    bm, bn = self.block_m, self.block_n
+    options = dict(self.wgrad_options)
+    bm, bn = self.block_m, options.pop("block_n")
     if self.row_block_major:  # [R/128, K, 128]: each row block transposed on its own, one pass with the quantisation
       a, b = (_pad(rows_block_major(q), 1, block) for q, block in ((xq.q, bm), (dyq.q, bn)))
     else:  # [K, R]
       a, b = _pad(xq.q.T, 0, bm), _pad(dyq.q.T, 0, bn)
     sa, sb = _pad(xq.scale, 1, bm), _pad(dyq.scale, 1, bn)
     dw = self._transposed(
-        a, sa, b, sb, aligned_sizes, block_m=bm, block_n=bn, out_dtype=out_dtype, interpret=self.interpret, **self.pipeline
+        a, sa, b, sb, aligned_sizes, block_m=bm, block_n=bn, out_dtype=out_dtype, interpret=self.interpret, **options
     )
     return dw[:, :k, :n]
 
@@ -157,15 +161,15 @@ MOSAIC_VARIANTS = {
     "ws": {"block_m": 128, "warp_specialized": True},
     "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},
     "ws_fused_quantize": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
-    "ws_overlap": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True, "overlap_promotion": True},
-    "ws_wide": {"block_m": 128, "block_n": 256, "max_concurrent_steps": 3, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
+    "ws_wide": {"block_m": 128, "block_n": 256, "max_concurrent_steps": 3, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True,
+                "wgrad": {"block_n": 128, "max_concurrent_steps": 4, "overlap_promotion": True}},
 }
 KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plain"])}
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws). On an H200 (gate_up, G=8) the
 # block-scale fwd/dgrad kernels take 1.85 ms where per-column scales take 2.22 ms, bf16 2.6-2.8 ms
 # (benchmarks/results/2026-12-03-h200-fp8-block-scales); the fused quantisation passes take 1.5 ms of
 # fwd+bwd where XLA's take 2.2 (benchmarks/results/2026-12-03-h200-fp8-quantize-kernels).
-WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_fused_quantize"])
+WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_wide"])
 
 
 def make_gmm(kernels):

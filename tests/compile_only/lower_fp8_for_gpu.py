@@ -4,7 +4,7 @@ JSON; run by tests/test_quant.py in a subprocess whose PYTHONPATH holds the CUDA
   python tests/compile_only/lower_fp8_for_gpu.py [--gpu h200|b200] fp8_blockwise[:VARIANT]|mxfp8[:IMPL] [MxKxNxG ...]
   (default 4096x7168x4096x8, h200)
 
-fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize); a bare
+fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize, ws_wide); a bare
 fp8_blockwise is what quantization=fp8_blockwise runs by default. mxfp8:IMPL is mxfp8_impl (emulated, block_scaled);
 a bare mxfp8 is what auto picks for the GPU.
 """
