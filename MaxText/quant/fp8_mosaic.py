@@ -18,9 +18,11 @@ groups is computed once per group and each pass stores only its own rows.
 The `_ws` kernels are warp-specialized (mosaic_kernels.warp_specialized): a producer warpgroup keeps K
 steps in flight across output tiles and two consumer warpgroups promote their halves of a 128-row tile,
 so one's wgmma runs while the other scales and accumulates. With b_block_scales (one weight scale per
-tile and K step, see scaled_ragged_dot_ws; the default under moe_mosaic_kernels=ours_ws) the forward and
-dgrad kernels run at ~1,040 TFLOP/s on an H200, 1.4-1.5x the bf16 kernels; the weight gradient, whose
-scales are per column, at ~870 (benchmarks/results/2026-12-03-h200-fp8-block-scales).
+128 columns and K step, see scaled_ragged_dot_ws) and 128x256 tiles (the default under
+moe_mosaic_kernels=ours_ws) the forward and dgrad kernels run at ~1,200-1,240 TFLOP/s on an H200,
+1.6-1.7x the bf16 kernels; 128x128 tiles reached ~1,050, bound by operand bytes per product. The weight
+gradient, whose scales are per column, keeps 128x128 tiles: ~920 TFLOP/s, 1.18x bf16
+(benchmarks/results/2026-12-04-h200-fp8-wide-tiles).
 """
 
 import functools
@@ -357,7 +359,7 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
 
   overlap_promotion (block_n = 128): each consumer issues a pair of K steps' wgmmas before promoting the
   first (mosaic_kernels.warp_specialized), so the tensor cores keep working while it scales and adds.
-  Measured 1-4% faster here (each column has its own scale: a promotion of two multiplies and an add);
+  Measured 4-8% faster here (each column has its own scale: a promotion of two multiplies and an add);
   no faster in the forward kernels."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -87,6 +87,7 @@ def main() -> int:
   ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes; fp8 kernels in the Mosaic GPU interpreter, mxfp8 on xla")
   ap.add_argument("--variants", default="", help="comma-separated fp8_blockwise kernel variants to check (default: all of fp8_blockwise.MOSAIC_VARIANTS)")
   ap.add_argument("--quick", action="store_true", help="three cases (DeepSeek-V3 widths balanced and skewed, odd sizes and widths) instead of all")
+  ap.add_argument("--no-mxfp8", action="store_true", help="check only the fp8_blockwise variants")
   args = ap.parse_args()
   variants = [v for v in args.variants.split(",") if v] or list(fp8_blockwise.MOSAIC_VARIANTS)
   if unknown := [v for v in variants if v not in fp8_blockwise.MOSAIC_VARIANTS]:
@@ -102,10 +103,11 @@ def main() -> int:
   else:
     interpret, mxfp8 = False, quantized_gmm("mxfp8", "mosaic")
     cases = [CASES[0], CASES[2], CASES[-1]] if args.quick else CASES
-  # The Mosaic kernel variants of fp8_blockwise (the default is "ws" under moe_mosaic_kernels=ours_ws).
+  # The Mosaic kernel variants of fp8_blockwise (fp8_blockwise.WS_KERNELS is the default under moe_mosaic_kernels=ours_ws).
   impls = {f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[name], interpret=interpret)) for name in variants}
-  impls["mxfp8"] = mxfp8
-  impls["mxfp8:block_scaled"] = quantized_gmm("mxfp8", "xla", None, "block_scaled")
+  if not args.no_mxfp8:
+    impls["mxfp8"] = mxfp8
+    impls["mxfp8:block_scaled"] = quantized_gmm("mxfp8", "xla", None, "block_scaled")
   dtype = jnp.float32 if args.cpu_dry_run else jnp.bfloat16
   results = {"seed": seed, "device": jax.devices()[0].device_kind, "exact_bound": EXACT_BOUND, "format_bound": FORMAT_BOUND, "cases": []}
   ok = True
