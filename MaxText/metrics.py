@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 
@@ -30,6 +31,31 @@ def format_line(step: int, m: dict) -> str:
   if m.get("profiled"):
     parts.append("profiling (time not representative)")
   return " | ".join(parts)
+
+
+class StepClock:
+  """When each training step finished, as the host sees it, for the per-step time.
+
+  The loop fetches a step's metrics one step late, after dispatching the next, so the device never waits
+  for the host; the fetch is usually when the host learns that the step is done. But when dispatching a
+  step blocks until the step has run (XLA reads a loop's trip count on the host, as in mxfp8 block_scaled's
+  row windows), the step is done when its dispatch returns, and timing it at its fetch would charge it the
+  following step's time and leave the last step nearly none. So a step whose metrics are ready as its
+  dispatch returns is timed there."""
+
+  def __init__(self):
+    self.last = time.perf_counter()
+    self.finished: dict[int, float] = {}
+
+  def dispatched(self, step: int, metrics) -> None:
+    if all(leaf.is_ready() for leaf in metrics.values()):
+      self.finished[step] = time.perf_counter()
+
+  def step_time(self, step: int) -> float:
+    """Seconds from the previous step's end to this one's; call once this step's metrics have been fetched."""
+    end = self.finished.pop(step) if step in self.finished else time.perf_counter()
+    elapsed, self.last = end - self.last, end
+    return elapsed
 
 
 class MetricsWriter:

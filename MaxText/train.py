@@ -173,7 +173,7 @@ def train(cfg: Config) -> list[dict]:
 
   from MaxText import checkpointing, flops, remat, runtime_env
   from MaxText.data import make_iterator
-  from MaxText.metrics import MetricsWriter
+  from MaxText.metrics import MetricsWriter, StepClock
   from MaxText.sharding import make_mesh
   from MaxText.train_step import Trainer
 
@@ -231,18 +231,16 @@ def train(cfg: Config) -> list[dict]:
     writer = MetricsWriter(run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
     history = []
     pending = None  # (step, metrics on device): fetched one step late so the device never waits for the host
-    last_done = time.perf_counter()
+    clock = StepClock()
 
     def fetch_and_log():
-      nonlocal pending, last_done
+      nonlocal pending
       if pending is None:
         return
       done_step, done_metrics = pending
       pending = None
       values = {k: v.item() for k, v in jax.device_get(done_metrics).items()}
-      now = time.perf_counter()
-      step_time, last_done = now - last_done, now
-      values.update(rates(step_time, tokens_per_step, mesh.size, flops_per_token, peak))
+      values.update(rates(clock.step_time(done_step), tokens_per_step, mesh.size, flops_per_token, peak))
       if profiler and profiler.first <= done_step <= profiler.first + profiler.count:
         values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
       history.append({"step": done_step, **values})
@@ -272,6 +270,7 @@ def train(cfg: Config) -> list[dict]:
           if profiler:
             profiler.before(step, state)
           state, metrics = step_fn(state, batch)
+          clock.dispatched(step, metrics)
           if profiler:
             profiler.after(step, state)
           done = step + 1  # state.step once this step has run

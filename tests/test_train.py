@@ -153,3 +153,33 @@ def test_out_of_memory_leaves_the_run_directory_of_other_processes(tmp_path, mon
   (run_dir / "config.yml").write_text("x")
   _out_of_memory_in(run_dir)
   assert (run_dir / "config.yml").exists()
+
+
+def test_step_clock_times_a_step_whose_dispatch_blocked_when_the_dispatch_returned():
+  """The loop fetches step k's metrics after dispatching step k + 1. When dispatch blocks until a step has
+  run (its metrics are ready as it returns), step k is timed at its own dispatch, not at that fetch: each
+  step gets its own time and the last one is not near zero. A step still running at dispatch keeps being
+  timed at its fetch."""
+  import time
+
+  import jax.numpy as jnp
+
+  from MaxText.metrics import StepClock
+
+  def blocking_step(seconds):  # a dispatch that returns once the step has run: ready metrics
+    time.sleep(seconds)
+    return {"loss": jax.block_until_ready(jnp.float32(1.0))}
+
+  clock = StepClock()
+  clock.dispatched(0, blocking_step(0.5))
+  clock.dispatched(1, blocking_step(0.2))  # then step 0 is fetched, then step 1 after the loop
+  first, last = clock.step_time(0), clock.step_time(1)
+  assert 0.5 <= first < 0.65 and 0.2 <= last < 0.35, (first, last)  # timed at the fetches: 0.7 and ~0
+
+  class Running:  # a leaf whose step is still on the device as its dispatch returns
+    def is_ready(self):
+      return False
+
+  clock.dispatched(2, {"loss": Running()})
+  time.sleep(0.2)  # the fetch waits for the device
+  assert 0.2 <= clock.step_time(2) < 0.35
