@@ -62,23 +62,10 @@ def main() -> int:
   import jax
 
   from MaxText.moe.gmm import mosaic
-  from MaxText.quant import MXFP8_IMPLS, fp8_blockwise, quantized_gmm, resolve_mxfp8
+  from MaxText import quant
 
-  def quantised(q):  # "fp8_blockwise:ws_block_scales" names a kernel variant, "mxfp8:block_scaled" an mxfp8_impl
-    name, _, variant = q.partition(":")
-    if name == "fp8_blockwise" and variant:
-      return fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[variant]))
-    return quantized_gmm(name, "mosaic", None, resolve_mxfp8(variant or "auto", jax.devices()[0]))
-
-  def known(q):
-    name, _, variant = q.partition(":")
-    if name == "mxfp8":
-      return not variant or variant in MXFP8_IMPLS
-    return name == "fp8_blockwise" and (not variant or variant in fp8_blockwise.MOSAIC_VARIANTS)
-
-  if bad := [q for q in args.quant.split(",") if q and not known(q)]:
-    ap.error(f"--quant {','.join(bad)}: choose fp8_blockwise, fp8_blockwise:VARIANT with VARIANT one of {', '.join(fp8_blockwise.MOSAIC_VARIANTS)}, "
-             f"mxfp8 or mxfp8:IMPL with IMPL one of {', '.join(MXFP8_IMPLS)}")
+  if bad := [q for q in args.quant.split(",") if q and q not in quant.labels()]:
+    ap.error(f"--quant {','.join(bad)}: choose from {', '.join(quant.labels())}")
   kernel_sets = [k for k in args.kernel_sets.split(",") if k] or list(mosaic.KERNELS)
   if unknown := [k for k in kernel_sets if k not in mosaic.KERNELS]:
     ap.error(f"--kernel-sets {','.join(unknown)}: choose from {', '.join(mosaic.KERNELS)}")
@@ -90,7 +77,7 @@ def main() -> int:
     tiles = mosaic.tiles_for("fwd", k, n)
     case = {"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]), "runs": {}}
     variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in kernel_sets}
-    variants.update({f"mosaic+{q}": quantised(q) for q in args.quant.split(",") if q})
+    variants.update({f"mosaic+{q}": quant.labelled_gmm(q, jax.devices()[0]) for q in args.quant.split(",") if q})
     for label, f in variants.items():
 
       @jax.jit

@@ -149,11 +149,10 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ..
         f = mosaic.make_gmm(kernels)
         add(f"mosaic:{kernels}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
     # --quant: the quantised expert GEMMs (MaxText/quant/), quantisation passes included in the time.
-    from MaxText.quant import quantized_gmm, resolve_mxfp8
+    from MaxText.quant import labelled_gmm
 
-    for q in quant:  # NAME or mxfp8:IMPL
-      name, _, impl = q.partition(":")
-      f = quantized_gmm(name, "mosaic", None, resolve_mxfp8(impl or "auto", jax.devices()[0]))
+    for q in quant:  # quant.labels(): NAME, fp8_blockwise:VARIANT, mxfp8:IMPL
+      f = labelled_gmm(q, jax.devices()[0])
       add(f"mosaic+{q}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
     from MaxText.quant import fp8_blockwise
 
@@ -373,7 +372,7 @@ def main() -> int:
   ap.add_argument("--cases", default="", help="cases to run instead, comma-separated GROUPS:SIZES, e.g. 32:balanced,8:balanced")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--plot", type=Path)
-  ap.add_argument("--quant", default="", help="comma-separated quantizations to add as mosaic+<q> rows: mxfp8,fp8_blockwise; mxfp8:IMPL picks mxfp8_impl (emulated, block_scaled)")
+  ap.add_argument("--quant", default="", help="comma-separated quantizations to add as mosaic+<q> rows: fp8_blockwise, fp8_blockwise:VARIANT (a Mosaic kernel variant), mxfp8, mxfp8:IMPL (an mxfp8_impl)")
   ap.add_argument("--fp8-tiles", default="", help="extra fp8_blockwise kernel tiles to time, comma-separated MxNxSTAGESxGRIDN[ws|wsb], e.g. 64x128x6x4,128x128x4x4ws,128x128x4x4wsb (ws: warp-specialized; wsb: and one weight scale per tile and K step)")
   args = ap.parse_args()
   if args.plot:
@@ -384,9 +383,8 @@ def main() -> int:
     cases = parse_cases(ap, args.cases)
   from MaxText import quant as quant_registry
 
-  known = [c for c in quant_registry.CHOICES if c] + [f"mxfp8:{i}" for i in quant_registry.MXFP8_IMPLS]
-  if bad := [q for q in args.quant.split(",") if q and q not in known]:
-    ap.error(f"--quant {','.join(bad)}: choose from {', '.join(known)}")
+  if bad := [q for q in args.quant.split(",") if q and q not in quant_registry.labels()]:
+    ap.error(f"--quant {','.join(bad)}: choose from {', '.join(quant_registry.labels())}")
   if bad := [t for t in args.fp8_tiles.split(",") if t and not re.fullmatch(r"\d+x\d+x\d+x\d+(ws|wsb)?", t)]:
     ap.error(f"--fp8-tiles {','.join(bad)}: each is MxNxSTAGESxGRIDN with an optional ws or wsb suffix, e.g. 128x128x4x4ws")
   args.out.mkdir(parents=True, exist_ok=True)

@@ -544,3 +544,23 @@ def test_block_scaled_mxfp8_compiles_to_triton_scaled_dots_for_b200():
     (result,) = _compile_for_gpu("--gpu", gpu, fmt, "4096x7168x2048x8").values()
     got = (result["device_kind"], result["mosaic_kernels"], result["scaled_dots"], result["triton_gemm_fusions"] >= result["scaled_dots"], result["fp8_operands"])
     assert got == (kind, mosaic, scaled, True, True), (gpu, fmt, result)
+
+
+def test_benchmark_labels_name_each_quantised_gmm(tmp_path):
+  """benchmarks/grouped_gemm.py, gmm_profile.py and the compile-only GPU check name quantised GEMMs the same
+  way (quant.labels); a bare name is what training runs by default on the device; anything else is one
+  usage line and exit code 2."""
+  cpu = jax.devices("cpu")[0]
+  labels = quant.labels()
+  assert {"fp8_blockwise", "mxfp8", "mxfp8:block_scaled", "mxfp8:emulated"} <= set(labels)
+  assert {f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS} <= set(labels)
+  assert quant.labelled_gmm("mxfp8", cpu) is quant.quantized_gmm("mxfp8", "mosaic", None, "emulated")  # auto on a CPU
+  assert quant.labelled_gmm("fp8_blockwise", cpu) is quant.quantized_gmm("fp8_blockwise", "mosaic")
+  with pytest.raises(ValueError, match="fp8_blockwise:wide: choose one of"):
+    quant.labelled_gmm("fp8_blockwise:wide", cpu)
+  repo = Path(__file__).resolve().parents[1]
+  for script in ("gmm_profile.py", "grouped_gemm.py"):
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / script), "--out", str(tmp_path / script), "--quant", "fp8_blockwise:wide"],
+                          capture_output=True, text=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert proc.returncode == 2 and "--quant fp8_blockwise:wide: choose from fp8_blockwise, fp8_blockwise:plain" in proc.stderr, (script, proc.stderr[-500:])
+    assert not (tmp_path / script).exists()

@@ -96,6 +96,29 @@ def quantized_gmm(name: str, backend: str, mosaic_kernels: str | None = None, mx
   return fp8_blockwise.make_gmm(fp8_kernels(backend, mosaic_kernels))
 
 
+def labels() -> list[str]:
+  """The quantised grouped GEMMs that benchmarks and GPU checks name (labelled_gmm): each quantization,
+  fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS, mxfp8:IMPL for an mxfp8_impl."""
+  from MaxText.quant import fp8_blockwise
+
+  return ["fp8_blockwise", *(f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS), "mxfp8", *(f"mxfp8:{i}" for i in MXFP8_IMPLS)]
+
+
+def labelled_gmm(label: str, device: jax.Device) -> gmm_registry.Gmm:
+  """The grouped GEMM `label` (one of labels()) names, on moe_gmm_backend=mosaic: a bare quantization is what
+  it runs by default on `device` (mxfp8_impl=auto decided for it)."""
+  if label not in labels():
+    raise ValueError(f"{label}: choose one of {', '.join(labels())}")
+  name, _, choice = label.partition(":")
+  if name == "mxfp8":
+    return quantized_gmm(name, "mosaic", None, resolve_mxfp8(choice or "auto", device))
+  if choice:
+    from MaxText.quant import fp8_blockwise
+
+    return fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[choice]))
+  return quantized_gmm(name, "mosaic")
+
+
 def fp8_kernels(backend: str, mosaic_kernels: str | None = None):
   """fp8_blockwise's kernels on `backend`: on mosaic, warp-specialized ones when the bf16 kernel set is."""
   from MaxText.quant import fp8_blockwise

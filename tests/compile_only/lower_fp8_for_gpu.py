@@ -18,19 +18,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import compile_only
-from MaxText.quant import quantized_gmm, resolve_mxfp8
+from MaxText.quant import labelled_gmm
 
 
 def compile_one(gpu: str, fmt: str, m: int, k: int, n: int, g: int) -> dict:
   devices = compile_only.devices(gpu, 1)
   s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
-  name, _, choice = fmt.partition(":")
-  if name == "fp8_blockwise" and choice:
-    from MaxText.quant import fp8_blockwise
-
-    f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[choice]))
-  else:
-    f = quantized_gmm(name, "mosaic", None, resolve_mxfp8(choice or "auto", devices[0]))
+  f = labelled_gmm(fmt, devices[0])
 
   def fwd_bwd(x, w, sizes, dy):
     y, pullback = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
