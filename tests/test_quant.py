@@ -368,10 +368,11 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
 
 def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
   """The default warp-specialized variant, ws_wide (Triton quantisation feeding the Mosaic kernels, both
-  interpreted; one 256-wide forward tile), against the jnp reference GEMM, forward, dgrad and wgrad;
-  widths in whole 128-blocks so the fused kernels are taken."""
+  interpreted; a 256-wide forward tile, and the dgrad's 384 columns on 128-wide tiles rather than padded),
+  against the jnp reference GEMM, forward, dgrad and wgrad; widths in whole 128-blocks so the fused kernels
+  are taken."""
   plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-  x, w, dy = _operands(seed=5, m=300, k=256, n=256, g=3)
+  x, w, dy = _operands(seed=5, m=300, k=384, n=256, g=3)
   sizes = jnp.array([130, 0, 150], jnp.int32)  # 20 rows past the total
   kernels = fp8_blockwise.MosaicKernels(**{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams())
   from MaxText.quant import quantize_kernels

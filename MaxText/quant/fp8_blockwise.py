@@ -82,6 +82,8 @@ class MosaicKernels:
     """aq [M, K] (1x128 along K), wq_t [G, N, K], ws_t [G, K/128, N/128] -> [M, N]."""
     m, n = aq.q.shape[0], wq_t.shape[1]
     bm, bn = self.block_m, self.block_n
+    if n % bn and n % FP8_BLOCK == 0:  # whole weight blocks, not whole tiles (e.g. 1408): 128-wide tiles, no padded weight copy
+      bn = FP8_BLOCK
     a = _pad(aq.q, 1, FP8_BLOCK)
     if m < bm:  # the kernel reads whole row tiles: give tiny inputs one
       a = _pad(a, 0, bm)
