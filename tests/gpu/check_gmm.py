@@ -29,6 +29,7 @@ CASES = [
     ("gate_up", 4096, 7168, 4096, 16, "empty_groups"),
     ("gate_up", 4096, 7168, 4096, 8, "one_group"),
     ("down", 3000, 2048, 7168, 8, "odd_sizes"),
+    ("narrow", 4096, 2048, 1408, 8, "skewed"),  # DeepSeek-V2-Lite's expert width: whole 128-blocks, not 256-tiles
     ("unaligned", 2000, 1000, 600, 4, "odd_sizes"),
 ]
 
