@@ -264,7 +264,7 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
   producer issues every step's copies (`load(info, kk, slot, barrier)`) into a ring of `stages` buffers,
   numbering steps continuously across tiles, so it fills the next tile's buffers while the consumers
   finish and store the current one. Each consumer accumulates its part of the tile and stores it
-  (`store(info, acc, wg)`), in one of two ways:
+  (`store(info, acc, wg)`), in one of three ways:
   - `acc_shape`: `mma(info, kk, slot, acc_ref, wg)` issues wgmma into an accumulator; one wgmma stays
     in flight, and a slot is released once the wgmma that read it is done;
   - `init_carry()`: `mma(info, kk, slot, carry, wg) -> carry` waits for its own wgmma (fp8 promotes
@@ -311,12 +311,12 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
       info = tile_info(loop_info)
       nb = num_steps(info)
 
-      def _issue_step(kk, part_ref):
+      def issue_step(kk, part_ref):
         slot = lax.rem(carry + kk, stages)
         plgpu.barrier_wait(loaded.at[slot])
         mma(info, kk, slot, part_ref, wg)
 
-      def _finish_step(kk, part, state):
+      def finish_step(kk, part, state):
         slot = lax.rem(carry + kk, stages)
         state = promote(info, kk, slot, part, state, wg)
         plgpu.barrier_arrive(consumed.at[slot])
@@ -347,7 +347,7 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
         return state
 
       if promote is not None:
-        acc = _overlapped_steps(nb, init_carry(), issue=_issue_step, finish=_finish_step)
+        acc = _overlapped_steps(nb, init_carry(), issue=issue_step, finish=finish_step)
       elif acc_shape is not None:
         def acc_scope(acc_ref):
           def mma_step(kk, slot, state):
