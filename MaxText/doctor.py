@@ -378,7 +378,6 @@ def check_quantization(devices: list) -> Check:
   from MaxText.moe import gmm
 
   hopper_kernels = gmm.available("mosaic") and all_hopper(devices)
-
   native = bool(devices) and all(quant.has_block_scaled_mma(d) for d in devices)
   mx = ("mxfp8_impl=auto -> block_scaled (tensor-core block-scaled MMA)" if native else
         "mxfp8_impl=auto -> emulated (no block-scaled MMA here: dequantised into the bf16 grouped GEMM)")
