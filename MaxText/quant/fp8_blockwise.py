@@ -170,8 +170,8 @@ KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plai
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws). On an H200 (gate_up, G=8) the
 # 128x256 fwd/dgrad kernels take 1.60 / 1.55 ms where 128x128 tiles take 1.82 / 1.78 and bf16 2.55 / 2.70;
 # the wgrad 2.10 ms (bf16 2.48) (benchmarks/results/2026-12-04-h200-fp8-wide-tiles). The fused
-# quantisation passes take 1.5 ms of fwd+bwd where XLA's take 2.2
-# (benchmarks/results/2026-12-03-h200-fp8-quantize-kernels).
+# quantisation passes take 1.05 ms of fwd+bwd where XLA's take 2.2
+# (benchmarks/results/2026-12-04-h200-quantize-transposed).
 WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_wide"])
 
 

@@ -36,7 +36,7 @@ from MaxText.quant.groups import to_aligned
 ROWS = 32768
 
 
-def fused_rows(a, sizes, num_warps=8):
+def fused_rows(a, sizes, num_warps=quantize_kernels.ACTIVATION_WARPS):
   return quantize_kernels.quantize_rows_and_columns(a, fp8_blockwise.align_all_rows(sizes, a.shape[0]), num_warps=num_warps)
 
 
@@ -46,7 +46,7 @@ def xla_rows(a, sizes):
   return formats.activation_quantize(a, 1), formats.Quantized(fp8_blockwise.rows_block_major(cols.q), cols.scale, cols.blocks)
 
 
-def fused_weight(w, num_warps=8):
+def fused_weight(w, num_warps=quantize_kernels.WEIGHT_WARPS):
   wq, q_t = quantize_kernels.weight_quantize_both(w, num_warps=num_warps)
   return wq.q, q_t, wq.scale
 
@@ -73,7 +73,7 @@ def differing(a, b) -> int:
   return int(np.sum(~((af == bf) | (np.isnan(af) & np.isnan(bf)))))
 
 
-def fused_columns(q, scale, sizes, num_warps=8):
+def fused_columns(q, scale, sizes, num_warps=quantize_kernels.ACTIVATION_WARPS):
   rows = formats.Quantized(q, scale, ((1, formats.FP8_BLOCK),))
   return quantize_kernels.columns_from_rows(rows, fp8_blockwise.align_all_rows(sizes, q.shape[0]), jnp.bfloat16, num_warps=num_warps)
 
@@ -92,7 +92,7 @@ def on_cpu(fn, *args):
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True)
-  ap.add_argument("--num-warps", default="", help="comma-separated warp counts to time the kernels at too (the default is 8)")
+  ap.add_argument("--num-warps", default="", help="comma-separated warp counts to time the kernels at too (defaults: quantize_kernels.*_WARPS)")
   args = ap.parse_args()
   try:
     sweep = [int(v) for v in args.num_warps.split(",") if v]
