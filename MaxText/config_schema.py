@@ -122,6 +122,7 @@ class MoEConfig:
   quantization: str = choice("", "mxfp8", "fp8_blockwise")  # expert GEMMs; MaxText/quant/
   mxfp8_impl: str = choice("auto", "block_scaled", "emulated")  # quantization=mxfp8's products
   quantize_before_permute: bool
+  quantize_with_activation: bool
   moe_group_pad_multiple: int = at_least(0)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from MaxText import quant
 from MaxText.moe import gmm
-from MaxText.quant import fp8_blockwise, formats, groups, mxfp8, mxfp8_block_scaled
+from MaxText.quant import fp8_blockwise, formats, groups, mxfp8, mxfp8_block_scaled, quantize_kernels
 
 # ---- NumPy references of the formats ----
 E4M3_MAX = 448.0
@@ -364,6 +364,13 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
   got = quantize_kernels.columns_from_rows(want_rows, aligned, jnp.bfloat16, interpret=True)
   want_cols = fp8_blockwise.columns_from_rows(want_rows, aligned, jnp.bfloat16)
   assert same(got.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(got.scale, want_cols.scale)
+  # swiglu(gate, up) made in the kernel from [gate | up] (quantize_with_activation), as the jnp path quantises it
+  gate_up = jnp.asarray(awkward_values((1000, 512), seed=6), jnp.bfloat16).at[9, 300].set(jnp.nan).at[640, 20].set(-jnp.inf)
+  rows, cols = quantize_kernels.quantize_rows_and_columns(gate_up, aligned, interpret=True, swiglu_of=True)
+  want_rows, want_cols = fp8_blockwise.swiglu_quantize_both(gate_up[:, :256], gate_up[:, 256:], aligned)
+  assert rows.q.shape == (1000, 256) and same(rows.q, want_rows.q) and same(rows.scale, want_rows.scale)
+  assert same(cols.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(cols.scale, want_cols.scale)
+  assert np.isnan(np.asarray(rows.scale)[9, 0]) and np.isnan(np.asarray(rows.scale)[640, 0])  # up's NaN; silu(-inf) * up
 
 
 def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
@@ -395,6 +402,51 @@ def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
   want = _run(lambda x, w, s: ref.from_quantized_rows(x, ref.quantize_rows(x), w, s), x, w, dy, sizes)
   for a, b in zip((got[0][:280], got[1][:280], got[2]), (want[0][:280], want[1][:280], want[2])):
     assert _rel(a, b) < 1e-5
+
+
+def _swiglu_operands(seed, m, f, k, g):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  gate, up = (jax.random.normal(key, (m, f)).astype(jnp.bfloat16) for key in ks[:2])
+  return gate, up, jax.random.normal(ks[2], (g, f, k)) / np.sqrt(f), jax.random.normal(ks[3], (m, k)).astype(jnp.bfloat16)
+
+
+def _swiglu_run(f, gate, up, w, dy, sizes):
+  y, pullback = jax.vjp(lambda gate, up, w: f(gate, up, w, sizes), gate, up, w)
+  return (y, *pullback(dy))
+
+
+def test_swiglu_down_gemm_is_the_gemm_of_the_activation():
+  """gmm.from_swiglu(gate, up, w) (quantize_with_activation) is gmm(swiglu(gate, up), w): the same value and
+  the same gradients for gate, up and w, bit for bit on the jnp kernels, whose quantisation of the
+  activation it shares; and swiglu is silu(gate) * up in float32 rounded once."""
+  gate, up, w, dy = _swiglu_operands(seed=7, m=300, f=256, k=136, g=3)
+  sizes = jnp.array([130, 0, 150], jnp.int32)
+  f = quant.quantized_gmm("fp8_blockwise", "xla")
+  got = _swiglu_run(f.from_swiglu, gate, up, w, dy, sizes)
+  want = _swiglu_run(lambda gate, up, w, s: f(quantize_kernels.swiglu(gate, up), w, s), gate, up, w, dy, sizes)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  assert all(np.any(np.asarray(a, np.float32) != 0) for a in got)
+  h = quantize_kernels.swiglu(gate, up)
+  assert h.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)), rtol=2**-8)
+
+
+def test_swiglu_down_gemm_runs_the_activation_in_the_quantisation_kernel(monkeypatch):
+  """Under the default warp-specialized variant (interpreted) from_swiglu quantises swiglu(gate, up) in one
+  kernel pass from [gate | up], and matches the jnp reference GEMM, forward and the three gradients."""
+  plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  gate, up, w, dy = _swiglu_operands(seed=8, m=300, f=256, k=256, g=3)
+  sizes = jnp.array([130, 0, 150], jnp.int32)  # 20 rows past the total
+  kernels = fp8_blockwise.MosaicKernels(**{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams())
+  calls = []
+  kernel = quantize_kernels.quantize_rows_and_columns
+  monkeypatch.setattr(quantize_kernels, "quantize_rows_and_columns", lambda *a, **kw: calls.append(kw.get("swiglu_of", False)) or kernel(*a, **kw))
+  got = _swiglu_run(fp8_blockwise.make_gmm(kernels).from_swiglu, gate, up, w, dy, sizes)
+  assert sorted(calls) == [False, True], calls  # swiglu(gate, up) in the forward, dy in the backward
+  want = _swiglu_run(quant.quantized_gmm("fp8_blockwise", "xla").from_swiglu, gate, up, w, dy, sizes)
+  for a, b in zip((got[0][:280], got[1][:280], got[2][:280], got[3]), (want[0][:280], want[1][:280], want[2][:280], want[3])):
+    assert _rel(a, b) < (2e-3 if a.dtype == jnp.bfloat16 else 1e-5)  # bf16: an output rounded one ulp apart here and there
 
 
 def test_registry_and_config_errors(tiny_config):
@@ -492,15 +544,18 @@ def _compile_for_gpu(*args: str) -> dict:
 def test_fp8_blockwise_kernels_compile_for_h200():
   """Forward, dgrad and wgrad of fp8_blockwise compile for a compile-only H200 (Mosaic GPU lowering checks
   the fp8 wgmma operand layouts, shared memory and TMA shapes; Triton lowering the quantisation kernels) at
-  DeepSeek-V3's gate/up shape, from bf16 rows and from rows quantised before the permute. (Widths and row
-  counts that are not tile multiples run in the interpreter test above.)"""
+  DeepSeek-V3's gate/up shape, from bf16 rows, from rows quantised before the permute and (the down GEMM of
+  swiglu(gate, up)) from [gate | up] split in two, which XLA must not copy back together for the kernel.
+  (Widths and row counts that are not tile multiples run in the interpreter test above.)"""
   for kernels in [f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS]:
     for shape, result in _compile_for_gpu(kernels, "4096x7168x4096x8").items():
-      # fwd, dgrad and wgrad for gmm and again for gmm.from_quantized_rows; the fused variant's quantisation
-      # kernels (Triton) besides: w, x, dy and the requantised fp8 rows, fewer where XLA merges equal calls.
+      # fwd, dgrad and wgrad for gmm, gmm.from_quantized_rows and gmm.from_swiglu; the fused variant's
+      # quantisation kernels (Triton) besides: the two weights, x, swiglu(gate, up), dy and the requantised
+      # fp8 rows, fewer where XLA merges equal calls.
       fused = fp8_blockwise.MOSAIC_VARIANTS[kernels.split(":")[1]].get("fused_quantize", False)
-      assert result.pop("triton_kernels") in (range(4, 7) if fused else (0,)), (kernels, shape)
-      assert result == {"device_kind": "NVIDIA H200", "mosaic_kernels": 6, "fp8_operands": True, "scaled_dots": 0, "triton_gemm_fusions": 0}, (kernels, shape)
+      assert result.pop("triton_kernels") in (range(6, 10) if fused else (0,)), (kernels, shape)
+      want = {"device_kind": "NVIDIA H200", "mosaic_kernels": 9, "fp8_operands": True, "scaled_dots": 0, "triton_gemm_fusions": 0, "bf16_concatenates": 0}
+      assert result == want, (kernels, shape)
 
 
 @pytest.mark.parametrize("pad", [0, 8])
@@ -533,6 +588,36 @@ def test_tokens_quantised_before_the_permute(tiny_config, pad):
     assert 0 < _rel(dp_b[k], dp_a[k]) < 0.06, k
     assert _rel(dp_b[k], unquantised[1][k]) < 1.15 * _rel(dp_a[k], unquantised[1][k]), k
   np.testing.assert_allclose(dp_b["wo"], dp_a["wo"], rtol=1e-6, atol=1e-6)  # its input is the activation, not the rows
+
+
+def test_activation_quantised_with_the_down_gemm_input_in_the_layer(tiny_config, monkeypatch):
+  """quantize_with_activation changes where silu(gate) * up is made (inside the down GEMM's quantisation)
+  and nothing else: the layer's output and gradients equal those of quantising the written activation,
+  up to silu's float32 rounding (the layer here runs in float32)."""
+  from MaxText import params
+  from MaxText.moe.layer import moe, moe_specs
+  from MaxText.sharding import Sharder
+
+  over = ("quantization=fp8_blockwise", "moe_gmm_backend=xla", "base_emb_dim=256", "base_moe_mlp_dim=256")
+  fused, written = tiny_config(*over), tiny_config(*over, "quantize_with_activation=false")
+  assert fused.moe.quantize_with_activation and not written.moe.quantize_with_activation
+  p = params.initialize(moe_specs(256, fused.moe), jax.random.key(0), jnp.float32, 0.1)
+  x = jax.random.normal(jax.random.key(1), (2, 40, 256))
+  bias = jnp.zeros((fused.moe.num_experts,))
+  seen, swiglu = [], quantize_kernels.swiglu
+  monkeypatch.setattr(quantize_kernels, "swiglu", lambda *a: seen.append(1) or swiglu(*a))
+
+  def grads(cfg):
+    out, f = jax.vjp(lambda p, x: moe(p, x, bias, cfg.moe, Sharder())[0], p, x)
+    return out, *f(jax.random.normal(jax.random.key(2), out.shape))
+
+  (y_f, dp_f, dx_f) = grads(fused)
+  assert seen  # the fused path ran
+  (y_w, dp_w, dx_w) = grads(written)
+  np.testing.assert_allclose(y_f, y_w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dx_f, dx_w, rtol=1e-5, atol=1e-6)
+  for k in ("wi_0", "wi_1", "wo"):
+    assert _rel(dp_f[k], dp_w[k]) < 1e-5, k
 
 
 def test_block_scaled_mxfp8_compiles_to_triton_scaled_dots_for_b200():

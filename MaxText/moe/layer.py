@@ -48,8 +48,9 @@ def moe_specs(emb_dim: int, cfg: MoEConfig) -> dict:
   return specs
 
 
-def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q=None) -> jax.Array:
-  """rows_q: the rows already quantised (fp8_blockwise with quantize_before_permute), for gate and up."""
+def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q=None, quantize_with_activation=False) -> jax.Array:
+  """rows_q: the rows already quantised (fp8_blockwise with quantize_before_permute), for gate and up.
+  quantize_with_activation: the down GEMM's input made in its quantisation pass (fp8_blockwise)."""
   with jax.named_scope("gmm"):
     # Checkpoint names (MaxText/remat.py): top-k times the tokens, the largest activations of the layer.
     # Gate and up as one GEMM of twice the width: the rows are read (and quantised) once, the backward
@@ -62,6 +63,8 @@ def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q
       gate_up = gmm.from_quantized_rows(rows, rows_q, w_gate_up, group_sizes)
     gate, up = jnp.split(gate_up, 2, axis=-1)
     gate, up = checkpoint_name(gate, "moe_mlpwi_0"), checkpoint_name(up, "moe_mlpwi_1")
+    if quantize_with_activation and hasattr(gmm, "from_swiglu"):
+      return checkpoint_name(gmm.from_swiglu(gate, up, p["wo"], group_sizes), "moe_mlpwo")
     return checkpoint_name(gmm(jax.nn.silu(gate) * up, p["wo"], group_sizes), "moe_mlpwo")
 
 
@@ -86,7 +89,8 @@ def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[
     from MaxText.moe.ep.parallel import routed_ep
 
     gmm = _expert_gmm(cfg)
-    out, overflow, sent, nodedup = routed_ep(lambda w, rows, sizes: routed_experts(w, rows, sizes, gmm), p, x, r.expert_ids, r.weights, cfg, shard.mesh)
+    experts = lambda w, rows, sizes: routed_experts(w, rows, sizes, gmm, quantize_with_activation=cfg.quantize_with_activation)  # noqa: E731
+    out, overflow, sent, nodedup = routed_ep(experts, p, x, r.expert_ids, r.weights, cfg, shard.mesh)
     out = out if shared is None else out + shared
     return out, MoEStats(load, jnp.zeros((), jnp.int32), balance, overflow, sent, nodedup)
   dispatcher = get_dispatcher(cfg.moe_dispatch, cfg.capacity_factor, cfg.moe_group_pad_multiple)
@@ -99,7 +103,7 @@ def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[
       # (the top-k copies' quantisation pass and the bf16 row gather are then dead code).
       tq = gmm.quantize_rows(tokens)
       rows_q = tq._replace(q=dispatcher.rows_of(tq.q, dispatched), scale=dispatcher.rows_of(tq.scale, dispatched))
-  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, gmm, rows_q)
+  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, gmm, rows_q, cfg.quantize_with_activation)
   with jax.named_scope("combine"):
     out = dispatcher.combine(y, r.weights, dispatched).reshape(batch, seq, d)
   if shared is not None:

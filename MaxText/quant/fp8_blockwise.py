@@ -111,6 +111,14 @@ class MosaicKernels:
       return quantize_kernels.quantize_rows_and_columns(a, aligned, interpret=bool(self.interpret))
     return quantize_both(a, aligned)
 
+  def swiglu_quantize_both(self, gate: jax.Array, up: jax.Array, aligned: Aligned) -> tuple[Quantized, Quantized]:
+    if self.fused_quantize and quantize_kernels.supported(gate.shape[1]):
+      # gate and up are the two halves of one GEMM's output: XLA folds the concatenation of adjacent
+      # slices back into that output, so the kernel reads it where it is.
+      gate_up = jnp.concatenate([gate, up], axis=1)
+      return quantize_kernels.quantize_rows_and_columns(gate_up, aligned, interpret=bool(self.interpret), swiglu_of=True)
+    return swiglu_quantize_both(gate, up, aligned)
+
   def columns_from_rows(self, xq: Quantized, aligned: Aligned, dtype) -> Quantized:
     if self.fused_quantize and quantize_kernels.supported(xq.q.shape[1]):
       return quantize_kernels.columns_from_rows(xq, aligned, dtype, interpret=bool(self.interpret))
@@ -147,6 +155,11 @@ def quantize_both(a, aligned):
   return activation_quantize(a, 1), columns(a, aligned)
 
 
+def swiglu_quantize_both(gate, up, aligned):
+  """quantize_both of the down GEMM's input swiglu(gate, up)."""
+  return quantize_both(quantize_kernels.swiglu(gate, up), aligned)
+
+
 def columns(a, aligned):
   """a's rows aligned per group, in 128x1 tiles: the wgrad operand."""
   return blockwise_quantize(to_aligned(a, aligned), {0: FP8_BLOCK})
@@ -178,7 +191,8 @@ WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_wide"])
 def make_gmm(kernels):
   """The fp8_blockwise grouped GEMM over `kernels` (an object with fwd, dgrad, wgrad), with its VJP.
 
-  gmm(x, w, group_sizes) quantises x itself. gmm.from_quantized_rows(x, xq, w, group_sizes) takes x's rows
+  gmm(x, w, group_sizes) quantises x itself; gmm.from_swiglu(gate, up, w, group_sizes) is gmm(swiglu(gate, up),
+  w, group_sizes) with the activation made inside the quantisation pass. gmm.from_quantized_rows(x, xq, w, group_sizes) takes x's rows
   already quantised (1x128 along K: row-local, so the tokens can be quantised once before the permute and
   the fp8 rows gathered, moe/layer.py): x's value is not read, only its cotangent returned, so the bf16
   permute that made it is dead code in the forward. The weight gradient then contracts the dequantised
@@ -220,6 +234,32 @@ def make_gmm(kernels):
 
   gmm = jax.custom_vjp(forward)
   gmm.defvjp(gmm_fwd, gmm_bwd)
+
+  # The down GEMM of swiglu(gate, up), its input quantised in the same pass that makes it (quantize_with_activation):
+  # the bf16 activation is never written, nor read back by a quantisation pass. gate and up are the residuals
+  # of both the GEMM and swiglu (as for gmm(swiglu(gate, up)), so remat's choice for them holds).
+  quantize_swiglu = getattr(kernels, "swiglu_quantize_both", swiglu_quantize_both)
+
+  def swiglu_forward(gate, up, w, group_sizes):
+    return gmm(quantize_kernels.swiglu(gate, up), w, group_sizes)
+
+  def swiglu_fwd(gate, up, w, group_sizes):
+    aligned = align_all_rows(group_sizes, gate.shape[0])
+    hq, h_cols = quantize_swiglu(gate, up, aligned)
+    wq = quantize_w(w)
+    y = vjp.typed(kernels.fwd(hq, wq, group_sizes, gate.dtype), gate, up, w, group_sizes)
+    return y, (gate, up, h_cols, aligned.source, aligned.group_sizes, w, wq.q, wq.scale, group_sizes)
+
+  def swiglu_bwd(res, dy):
+    gate, up, h_cols, source, aligned_sizes, w, wq, w_scale, group_sizes = res
+    aligned = Aligned(None, source, aligned_sizes, source.shape[0])
+    dh, dw = backward(gate[:0], h_cols, aligned, w, Quantized(wq, w_scale, WEIGHT_BLOCKS), group_sizes, dy)
+    dgate, dup = jax.vjp(quantize_kernels.swiglu, gate, up)[1](dh)
+    return dgate, dup, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+
+  from_swiglu = jax.custom_vjp(swiglu_forward)
+  from_swiglu.defvjp(swiglu_fwd, swiglu_bwd)
+  gmm.from_swiglu = from_swiglu
 
   rows_blocks = ((1, FP8_BLOCK),)  # activation_quantize(x, 1) of [rows, K]
 

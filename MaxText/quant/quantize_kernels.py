@@ -9,6 +9,9 @@ The fp8 wgmma reads both operands K-major, so each tensor is needed in two layou
                                    (wgrad operand), one read of x
   columns_from_rows(xq, a, dtype)  the same wgrad operand from x's fp8 rows (quantize_before_permute keeps
                                    only those), one read of the fp8 rows
+  quantize_rows_and_columns(gate_up, a, swiglu_of=True)
+                                   both layouts of swiglu(gate, up), the down GEMM's input, made in the
+                                   kernel from [gate | up] (quantize_with_activation)
 
 Written in jnp (formats.py) XLA runs these as separate amax reductions, quantisations and transposes
 (about three passes over w and four over x). Numerics are formats.blockwise_quantize's, bit for bit:
@@ -96,13 +99,23 @@ def weight_quantize_both(w: jax.Array, interpret: bool = False, num_warps: int =
   return Quantized(q, scale, WEIGHT_BLOCKS), qt
 
 
-def _rows_and_columns_kernel(source_ref, x_ref, rows_q_ref, rows_s_ref, cols_q_ref, cols_s_ref, *, rows: int, interpret: bool):
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) * up in float32, rounded once to gate's dtype: the down GEMM's input as fp8_blockwise makes it
+  (in the quantisation kernel's registers, or in jnp where the kernel is not taken)."""
+  g = gate.astype(jnp.float32)
+  return (jax.nn.silu(g) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def _rows_and_columns_kernel(source_ref, x_ref, rows_q_ref, rows_s_ref, cols_q_ref, cols_s_ref, *, rows: int, swiglu_width: int | None, interpret: bool):
   block, j = pl.program_id(0), pl.program_id(1)
   source = source_ref[pl.ds(block * B, B)]  # the rows of x this aligned row block holds
   valid = source < rows  # the others (index `rows`) are the alignment's zero rows: masked, never touched
   columns = pl.ds(j * B, B)
   tile = (source[:, None], j * B + jnp.arange(B, dtype=jnp.int32)[None, :])  # gathered rows x columns
   x = plt.load(x_ref.at[tile], mask=valid[:, None], other=0)
+  if swiglu_width is not None:  # x_ref holds [gate | up]: this tile is silu(gate) * up, never written in bf16
+    up = plt.load(x_ref.at[tile[0], tile[1] + swiglu_width], mask=valid[:, None], other=0)
+    x = swiglu(x, up)
   # The 128x1 tiles from the bf16 tile transposed (through shared memory, half the bytes of f32) and
   # reduced along its rows: 1.5x faster on an H200 than reducing along columns and transposing the
   # fp8 result (benchmarks/results/2026-12-04-h200-quantize-transposed).
@@ -147,23 +160,27 @@ def columns_from_rows(rows_q: Quantized, aligned: Aligned, dtype, interpret: boo
   return Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
 
 
-def quantize_rows_and_columns(x: jax.Array, aligned: Aligned, interpret: bool = False, num_warps: int = ACTIVATION_WARPS) -> tuple[Quantized, Quantized]:
+def quantize_rows_and_columns(x: jax.Array, aligned: Aligned, interpret: bool = False, num_warps: int = ACTIVATION_WARPS,
+                              swiglu_of: bool = False) -> tuple[Quantized, Quantized]:
   """x [rows, K] (K a multiple of 128) and its alignment, every row placed (fp8_blockwise.align_all_rows) ->
 
     (x in 1x128 tiles along K: q [rows, K], scale [rows, K/128]   as formats.activation_quantize(x, 1),
      the aligned rows in 128x1 tiles: q [padded/128, K, 128] (row-block-major), scale [padded/128, K])
 
   The second is formats.blockwise_quantize(to_aligned(x, aligned), {0: 128}) with q's row blocks transposed.
+  swiglu_of: x is [gate | up] [rows, 2K] and what is quantised is swiglu(gate, up), made tile by tile in
+  registers (the bf16 activation is neither written nor read again).
   """
   rows, k = x.shape
+  k, swiglu_width = (k // 2, k // 2) if swiglu_of else (k, None)
   blocks = aligned.padded_rows // B
   out_shape = (_out((rows, k), E4M3, x), _out((rows, k // B), jnp.float32, x), _out((blocks, k, B), E4M3, x), _out((blocks, k), jnp.float32, x))
   outputs = pl.pallas_call(
-      lambda *refs: _rows_and_columns_kernel(*refs, rows=rows, interpret=interpret),
+      lambda *refs: _rows_and_columns_kernel(*refs, rows=rows, swiglu_width=swiglu_width, interpret=interpret),
       out_shape=out_shape,
       grid=(blocks, k // B),
       interpret=interpret,
-      name="fp8_quantize_rows_and_columns",
+      name="fp8_swiglu_quantize_rows_and_columns" if swiglu_of else "fp8_quantize_rows_and_columns",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),  # one 128x128 tile, no loop to pipeline
   )(aligned.source, x)
   rows_q, rows_s, cols_q, cols_s = (vjp.typed(a, aligned.source) for a in outputs)  # and as the alignment

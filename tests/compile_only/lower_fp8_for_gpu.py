@@ -5,7 +5,8 @@ JSON; run by tests/test_quant.py in a subprocess whose PYTHONPATH holds the CUDA
   (default 4096x7168x4096x8, h200)
 
 fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize, ws_wide); a bare
-fp8_blockwise is what quantization=fp8_blockwise runs by default. mxfp8:IMPL is mxfp8_impl (emulated, block_scaled);
+fp8_blockwise is what quantization=fp8_blockwise runs by default; where the GEMM has them, its entries for rows
+quantised before the permute and for the down GEMM of swiglu(gate, up) are compiled too. mxfp8:IMPL is mxfp8_impl (emulated, block_scaled);
 a bare mxfp8 is what auto picks for the GPU.
 """
 
@@ -32,6 +33,10 @@ def compile_one(gpu: str, fmt: str, m: int, k: int, n: int, g: int) -> dict:
     if hasattr(f, "from_quantized_rows"):  # quantize_before_permute's entry: x's rows quantised already
       y, pullback = jax.vjp(lambda x, w: f.from_quantized_rows(x, f.quantize_rows(x), w, sizes), x, w)
       out += (y, *pullback(dy))
+    if hasattr(f, "from_swiglu"):  # quantize_with_activation's entry: x is [gate | up], w's first half the down weight
+      gate, up = jnp.split(x, 2, axis=1)
+      y, pullback = jax.vjp(lambda gate, up, w: f.from_swiglu(gate, up, w, sizes), gate, up, w[:, : k // 2])
+      out += (y, *pullback(dy))
     return out
 
   S = jax.ShapeDtypeStruct
@@ -41,7 +46,9 @@ def compile_one(gpu: str, fmt: str, m: int, k: int, n: int, g: int) -> dict:
   text = compiled.as_text()
   return {"device_kind": devices[0].device_kind, "mosaic_kernels": text.count('custom_call_target="mosaic_gpu'),
           "triton_kernels": text.count('custom_call_target="__gpu$xla.gpu.triton'), "fp8_operands": "f8e4m3fn" in text,
-          "scaled_dots": len(re.findall(r"= \S+ scaled-dot\(", text)), "triton_gemm_fusions": text.count('"kind":"__triton_nested_gemm_fusion"')}
+          "scaled_dots": len(re.findall(r"= \S+ scaled-dot\(", text)), "triton_gemm_fusions": text.count('"kind":"__triton_nested_gemm_fusion"'),
+          # [gate | up] split and concatenated again for the swiglu quantisation: XLA should fold it away
+          "bf16_concatenates": len(re.findall(r"= bf16\[\d+,\d+\]\S* concatenate\(", text))}
 
 
 if __name__ == "__main__":
