@@ -36,7 +36,7 @@ from MaxText.quant.groups import to_aligned
 ROWS = 32768
 
 
-def fused_rows(a, sizes, num_warps=quantize_kernels.ACTIVATION_WARPS):
+def fused_rows(a, sizes, num_warps=None):
   return quantize_kernels.quantize_rows_and_columns(a, fp8_blockwise.align_all_rows(sizes, a.shape[0]), num_warps=num_warps)
 
 
