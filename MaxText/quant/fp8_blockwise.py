@@ -191,9 +191,9 @@ WS_KERNELS = MosaicKernels(**MOSAIC_VARIANTS["ws_wide"])
 def make_gmm(kernels):
   """The fp8_blockwise grouped GEMM over `kernels` (an object with fwd, dgrad, wgrad), with its VJP.
 
-  gmm(x, w, group_sizes) quantises x itself; gmm.from_swiglu(gate, up, w, group_sizes) is gmm(swiglu(gate, up),
-  w, group_sizes) with the activation made inside the quantisation pass. gmm.from_quantized_rows(x, xq, w, group_sizes) takes x's rows
-  already quantised (1x128 along K: row-local, so the tokens can be quantised once before the permute and
+  gmm(x, w, group_sizes) quantises x itself; gmm.from_swiglu(gate, up, w, group_sizes) is
+  gmm(swiglu(gate, up), w, group_sizes) with the activation made inside the quantisation pass.
+  gmm.from_quantized_rows(x, xq, w, group_sizes) takes x's rows already quantised (1x128 along K: row-local, so the tokens can be quantised once before the permute and
   the fp8 rows gathered, moe/layer.py): x's value is not read, only its cotangent returned, so the bf16
   permute that made it is dead code in the forward. The weight gradient then contracts the dequantised
   fp8 rows, requantised in 128x1 tiles along rows, as DeepSeek-V3 does with its cached fp8 activations."""
@@ -235,9 +235,9 @@ def make_gmm(kernels):
   gmm = jax.custom_vjp(forward)
   gmm.defvjp(gmm_fwd, gmm_bwd)
 
-  # The down GEMM of swiglu(gate, up), its input quantised in the same pass that makes it (quantize_with_activation):
-  # the bf16 activation is never written, nor read back by a quantisation pass. gate and up are the residuals
-  # of both the GEMM and swiglu (as for gmm(swiglu(gate, up)), so remat's choice for them holds).
+  # The down GEMM of swiglu(gate, up), its input quantised in the pass that makes it (quantize_with_activation):
+  # the bf16 activation is never written, nor read back by a quantisation pass. The residuals are gate and
+  # up, as for gmm(swiglu(gate, up)), so remat's choice for them (moe_mlpwi_0/1) holds.
   quantize_swiglu = getattr(kernels, "swiglu_quantize_both", swiglu_quantize_both)
 
   def swiglu_forward(gate, up, w, group_sizes):
