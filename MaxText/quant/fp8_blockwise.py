@@ -193,9 +193,9 @@ def make_gmm(kernels):
 
   gmm(x, w, group_sizes) quantises x itself; gmm.from_swiglu(gate, up, w, group_sizes) is
   gmm(swiglu(gate, up), w, group_sizes) with the activation made inside the quantisation pass.
-  gmm.from_quantized_rows(x, xq, w, group_sizes) takes x's rows already quantised (1x128 along K: row-local, so the tokens can be quantised once before the permute and
-  the fp8 rows gathered, moe/layer.py): x's value is not read, only its cotangent returned, so the bf16
-  permute that made it is dead code in the forward. The weight gradient then contracts the dequantised
+  gmm.from_quantized_rows(x, xq, w, group_sizes) takes x's rows already quantised (1x128 along K: row-local,
+  so the tokens can be quantised once before the permute and the fp8 rows gathered, moe/layer.py): x's value
+  is not read, only its cotangent returned, so the bf16 permute that made it is dead code in the forward. The weight gradient then contracts the dequantised
   fp8 rows, requantised in 128x1 tiles along rows, as DeepSeek-V3 does with its cached fp8 activations."""
 
   # Kernel sets may quantise in fused passes (MosaicKernels.fused_quantize); the jnp reference does not.
