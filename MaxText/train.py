@@ -12,6 +12,7 @@ Exit codes: 0 finished; 2 bad input (one `error:` line, nothing written);
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import platform
@@ -20,6 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from MaxText.config import Config, load_config
 from MaxText.errors import UserError, exit_on_user_error
@@ -140,52 +142,39 @@ class Preemption:
     return multihost_utils.reached_preemption_sync_point(step)
 
 
-def initial_state(cfg: Config, trainer, ckpt, start: int | None, data, abstract):
-  """(state, first step): checkpoint `start` restored with the data iterator, or a fresh state
-  (optionally with the parameters of load_parameters_path)."""
-  from MaxText import checkpointing
+@dataclasses.dataclass
+class Run:
+  """One run's parts, every one checked against the config before anything is written."""
 
-  if start is not None:
-    state, data_state = ckpt.restore(start)
-    data.set_state(data_state)
-    print(f"resumed from checkpoint {ckpt.directory / str(start)} (step {start})", flush=True)
-    return state, start
-  state = trainer.init_state()
-  if cfg.train.load_parameters_path:
-    state = state._replace(params=checkpointing.load_parameters(cfg.train.load_parameters_path, abstract.params))
-    if cfg.moe.routed_bias:  # a converted or trained model routes with its learned balancing bias
-      import jax
-
-      from MaxText.convert.checkpoint import load_bias
-
-      state = state._replace(bias=jax.device_put(load_bias(cfg.train.load_parameters_path, abstract.bias), trainer.state_shardings.bias))
-    print(f"parameters loaded from {cfg.train.load_parameters_path}", flush=True)
-  return state, 0
+  cfg: Config
+  mesh: Any
+  trainer: Any  # train_step.Trainer
+  data: Any  # the data iterator, opened and checked
+  run_dir: Path
+  abstract: Any  # the train state's ShapeDtypeStructs with their shardings: the restore target
+  ckpt: Any  # checkpointing.Checkpointer, or None with enable_checkpointing=false
+  resume_step: int | None  # the checkpoint to continue from
+  flops_per_token: float
+  peak_tflops: float | None
+  first_profiled: int
 
 
-def train(cfg: Config) -> list[dict]:
-  """Runs (or resumes) the training loop; returns this session's per-step metrics.
-
-  Raises NonFiniteLoss (nan_policy=stop) or Preempted (SIGTERM) after closing the files and
-  finishing any checkpoint in flight.
-  """
+def prepare(cfg: Config) -> Run:
+  """Builds the mesh, trainer, data iterator and checkpointer and checks them all: a UserError here has
+  written nothing."""
   import jax
 
-  from MaxText import checkpointing, flops, remat, runtime_env
+  from MaxText import checkpointing, flops
   from MaxText.data import make_iterator
-  from MaxText.metrics import MetricsWriter, StepClock
   from MaxText.sharding import make_mesh
   from MaxText.train_step import Trainer
 
   t = cfg.train
   mesh = make_mesh(cfg.mesh)
   trainer = Trainer(cfg, mesh)
-  seq = t.max_target_length
-  flops_per_token = flops.training_flops_per_token(cfg.model, cfg.moe, seq)
-  peak = flops.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_per_device)
-  # Everything that can be wrong with the input is checked before the run directory is written.
   data = make_iterator(cfg.data, local_batch=trainer.global_batch // jax.process_count(), global_batch=trainer.global_batch,
-                       seq_len=seq, vocab_size=cfg.model.vocab_size, process_index=jax.process_index(), process_count=jax.process_count())
+                       seq_len=t.max_target_length, vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
+                       process_count=jax.process_count())
   run_dir = run_directory(cfg)
   abstract = checkpointing.with_shardings(trainer.abstract_state(), trainer.state_shardings)
   ckpt = checkpointing.Checkpointer(run_dir / "checkpoints", cfg, abstract, trainer.global_batch) if t.enable_checkpointing else None
@@ -199,114 +188,185 @@ def train(cfg: Config) -> list[dict]:
   if t.profiler and first_profiled + t.profiler_steps > t.steps:
     raise UserError(f"profiler={t.profiler}: steps {first_profiled}-{first_profiled + t.profiler_steps - 1} would be profiled but the run ends "
                     f"at step {t.steps - 1}; lower skip_first_n_steps_for_profiler or profiler_steps, or raise steps")
+  return Run(cfg, mesh, trainer, data, run_dir, abstract, ckpt, start,
+             flops_per_token=flops.training_flops_per_token(cfg.model, cfg.moe, t.max_target_length),
+             peak_tflops=flops.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_per_device), first_profiled=first_profiled)
 
-  fresh = not run_dir.exists()
-  with out_of_memory_is_a_user_error(run_dir, fresh):
-    make_run_dir(run_dir, resumable=ckpt is not None)
-    (run_dir / "config.yml").write_text(cfg.to_yaml())
-    (run_dir / "environment.json").write_text(json.dumps(environment(), indent=1))
-    print(f"run directory: {run_dir}")
-    print(describe(cfg, trainer, flops_per_token), flush=True)
-    print(f"{remat.describe(cfg.model)}; state in host memory: {trainer.host_offload_description()}")
-    print("environment in force: " + (" ".join(f"{k}={v!r}" for k, v in runtime_env.in_force().items()) or "no XLA_*/CUDA_*/NCCL_*/JAX_* variables"), flush=True)
 
-    state, start = initial_state(cfg, trainer, ckpt, start, data, abstract)
-    batch = trainer.device_batch(next(data))
-    compile_start = time.perf_counter()
-    with progress("Compiling the training step", t.compile_heartbeat_seconds):
-      step_fn = trainer.jit_step().lower(state, batch).compile()
-    compile_s = time.perf_counter() - compile_start
-    mem = step_fn.memory_analysis()
-    if mem is not None:
-      print(f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
-            f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
-            f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB")
+def initial_state(run: Run):
+  """(state, first step): checkpoint run.resume_step restored with the data iterator, or a fresh state
+  (optionally with the parameters of load_parameters_path)."""
+  from MaxText import checkpointing
 
-    profiler = None
-    if t.profiler and jax.process_index() == 0:
-      from MaxText.profile import StepProfiler
+  cfg, trainer = run.cfg, run.trainer
+  if run.resume_step is not None:
+    state, data_state = run.ckpt.restore(run.resume_step)
+    run.data.set_state(data_state)
+    print(f"resumed from checkpoint {run.ckpt.directory / str(run.resume_step)} (step {run.resume_step})", flush=True)
+    return state, run.resume_step
+  state = trainer.init_state()
+  if cfg.train.load_parameters_path:
+    state = state._replace(params=checkpointing.load_parameters(cfg.train.load_parameters_path, run.abstract.params))
+    if cfg.moe.routed_bias:  # a converted or trained model routes with its learned balancing bias
+      import jax
 
-      profiler = StepProfiler(run_dir / "profile", first_profiled, t.profiler_steps, step_fn.as_text())
-    tokens_per_step = trainer.global_batch * seq
-    writer = MetricsWriter(run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
-    history = []
-    pending = None  # (step, metrics on device): fetched one step late so the device never waits for the host
-    clock = StepClock()
+      from MaxText.convert.checkpoint import load_bias
 
-    def fetch_and_log():
-      nonlocal pending
-      if pending is None:
+      state = state._replace(bias=jax.device_put(load_bias(cfg.train.load_parameters_path, run.abstract.bias), trainer.state_shardings.bias))
+    print(f"parameters loaded from {cfg.train.load_parameters_path}", flush=True)
+  return state, 0
+
+
+def compile_step(run: Run, state, batch):
+  """(the compiled step, seconds it took), with a heartbeat while XLA works and the memory it plans."""
+  compile_start = time.perf_counter()
+  with progress("Compiling the training step", run.cfg.train.compile_heartbeat_seconds):
+    step_fn = run.trainer.jit_step().lower(state, batch).compile()
+  compile_s = time.perf_counter() - compile_start
+  mem = step_fn.memory_analysis()
+  if mem is not None:
+    print(f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
+          f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
+          f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB")
+  return step_fn, compile_s
+
+
+class StepLog:
+  """Each step's metrics, fetched one step late so that the device never waits for the host: logged every
+  log_period steps (and at the last, a non-finite or an overflowing one), kept in `history`.
+
+  Raises NonFiniteLoss (nan_policy=stop) or EpBufferOverflow at the fetch that finds one."""
+
+  def __init__(self, run: Run, writer, profiler, start: int):
+    from MaxText.metrics import StepClock
+
+    self.run, self.writer, self.profiler, self.start = run, writer, profiler, start
+    self.tokens_per_step = run.trainer.global_batch * run.cfg.train.max_target_length
+    self.clock = StepClock()
+    self.history: list[dict] = []
+    self.pending = None  # (step, metrics on device)
+
+  def dispatched(self, step: int, metrics) -> None:
+    self.clock.dispatched(step, metrics)
+
+  def defer(self, step: int, metrics) -> None:
+    """Fetches the step before and keeps this one's metrics for the next fetch."""
+    self.fetch()
+    self.pending = (step, metrics)
+
+  def fetch(self) -> None:
+    import jax
+
+    if self.pending is None:
+      return
+    (step, metrics), self.pending = self.pending, None
+    run, t = self.run, self.run.cfg.train
+    values = {k: v.item() for k, v in jax.device_get(metrics).items()}
+    values.update(rates(self.clock.step_time(step), self.tokens_per_step, run.mesh.size, run.flops_per_token, run.peak_tflops))
+    if self.profiler and self.profiler.first <= step <= self.profiler.first + self.profiler.count:
+      values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
+    self.history.append({"step": step, **values})
+    finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
+    overflow = values.get("ep_overflow", 0)
+    if step % t.log_period == 0 or step == t.steps - 1 or not finite or overflow:
+      self.writer.write(step, values)
+      self.writer.flush()
+    if overflow:
+      raise EpBufferOverflow(f"step {step}: {overflow} token copies did not fit the expert-parallel buffers "
+                             f"(moe_ep_buffer_factor={run.cfg.moe.moe_ep_buffer_factor}); the update was not applied and nothing was saved "
+                             "after it. Raise moe_ep_buffer_factor, or set it to -1 (worst-case buffers, never overflow)")
+    if not finite:
+      what = f"step {step}: loss {values['loss']}, grad norm {values['grad_norm']}"
+      if t.nan_policy == "skip":
+        print(f"{what}: not finite; step skipped, state unchanged (nan_policy=skip)", flush=True)
         return
-      done_step, done_metrics = pending
-      pending = None
-      values = {k: v.item() for k, v in jax.device_get(done_metrics).items()}
-      values.update(rates(clock.step_time(done_step), tokens_per_step, mesh.size, flops_per_token, peak))
-      if profiler and profiler.first <= done_step <= profiler.first + profiler.count:
-        values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
-      history.append({"step": done_step, **values})
-      finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
-      overflow = values.get("ep_overflow", 0)
-      if done_step % t.log_period == 0 or done_step == t.steps - 1 or not finite or overflow:
-        writer.write(done_step, values)
-        writer.flush()
-      if overflow:
-        raise EpBufferOverflow(f"step {done_step}: {overflow} token copies did not fit the expert-parallel buffers "
-                               f"(moe_ep_buffer_factor={cfg.moe.moe_ep_buffer_factor}); the update was not applied and nothing was saved "
-                               "after it. Raise moe_ep_buffer_factor, or set it to -1 (worst-case buffers, never overflow)")
-      if not finite:
-        what = f"step {done_step}: loss {values['loss']}, grad norm {values['grad_norm']}"
-        if t.nan_policy == "skip":
-          print(f"{what}: not finite; step skipped, state unchanged (nan_policy=skip)", flush=True)
-          return
-        good = ckpt.last_saved if ckpt and ckpt.last_saved is not None else (start or None)
-        last = f"the last checkpoint is step {good} in {ckpt.directory}" if ckpt and good else "there is no checkpoint"
-        raise NonFiniteLoss(f"{what}: not finite; stopped (nan_policy=stop); {last}. "
-                            "Resume from it with a lower learning_rate, or set nan_policy=skip")
+      ckpt = run.ckpt
+      good = ckpt.last_saved if ckpt and ckpt.last_saved is not None else (self.start or None)
+      last = f"the last checkpoint is step {good} in {ckpt.directory}" if ckpt and good else "there is no checkpoint"
+      raise NonFiniteLoss(f"{what}: not finite; stopped (nan_policy=stop); {last}. "
+                          "Resume from it with a lower learning_rate, or set nan_policy=skip")
 
-    stopped_at = None
-    try:
-      with Preemption() as preemption:
-        for step in range(start, t.steps):
-          if profiler:
-            profiler.before(step, state)
-          state, metrics = step_fn(state, batch)
-          clock.dispatched(step, metrics)
-          if profiler:
-            profiler.after(step, state)
-          done = step + 1  # state.step once this step has run
-          stop = preemption.should_stop(done)
-          save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
-          if save or stop:
-            # Only a state whose update was finite is saved: fetch this step's metrics first.
-            fetch_and_log()
-            pending = (step, metrics)
-            fetch_and_log()
-            if save:
-              ckpt.save(done, state, data.get_state())
-          if stop:
-            stopped_at = done
-            break
-          if done < t.steps:
-            batch = trainer.device_batch(next(data))
-          if not save:
-            fetch_and_log()
-            pending = (step, metrics)
-        fetch_and_log()
-    finally:
-      writer.close()
-      if ckpt is not None:
-        ckpt.wait()
-        ckpt.close()
-    jax.block_until_ready(state)
-    summary = summarize(history, compile_s) if history else {"steps": 0, "compile_s": compile_s}
-    if stopped_at is not None:
-      summary["stopped"] = f"SIGTERM at step {stopped_at}"
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()), flush=True)
-    if stopped_at is not None:
-      saved = f"checkpoint saved at step {stopped_at} in {ckpt.directory}" if ckpt else "no checkpoint (enable_checkpointing=false)"
-      raise Preempted(f"SIGTERM: stopped after step {stopped_at - 1}; {saved}", history)
-    return history
+
+def train(cfg: Config) -> list[dict]:
+  """Runs (or resumes) the training loop; returns this session's per-step metrics.
+
+  Raises NonFiniteLoss (nan_policy=stop) or Preempted (SIGTERM) after closing the files and
+  finishing any checkpoint in flight.
+  """
+  run = prepare(cfg)
+  with out_of_memory_is_a_user_error(run.run_dir, fresh=not run.run_dir.exists()):
+    return execute(run)
+
+
+def execute(run: Run) -> list[dict]:
+  """train() once every check has passed: writes the run directory, compiles and loops."""
+  import jax
+
+  from MaxText import remat, runtime_env
+  from MaxText.metrics import MetricsWriter
+
+  cfg, trainer, ckpt, data, t = run.cfg, run.trainer, run.ckpt, run.data, run.cfg.train
+  make_run_dir(run.run_dir, resumable=ckpt is not None)
+  (run.run_dir / "config.yml").write_text(cfg.to_yaml())
+  (run.run_dir / "environment.json").write_text(json.dumps(environment(), indent=1))
+  print(f"run directory: {run.run_dir}")
+  print(describe(cfg, trainer, run.flops_per_token), flush=True)
+  print(f"{remat.describe(cfg.model)}; state in host memory: {trainer.host_offload_description()}")
+  print("environment in force: " + (" ".join(f"{k}={v!r}" for k, v in runtime_env.in_force().items()) or "no XLA_*/CUDA_*/NCCL_*/JAX_* variables"), flush=True)
+
+  state, start = initial_state(run)
+  batch = trainer.device_batch(next(data))
+  step_fn, compile_s = compile_step(run, state, batch)
+  profiler = None
+  if t.profiler and jax.process_index() == 0:
+    from MaxText.profile import StepProfiler
+
+    profiler = StepProfiler(run.run_dir / "profile", run.first_profiled, t.profiler_steps, step_fn.as_text())
+  writer = MetricsWriter(run.run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
+  log = StepLog(run, writer, profiler, start)
+  stopped_at = None
+  try:
+    with Preemption() as preemption:
+      for step in range(start, t.steps):
+        if profiler:
+          profiler.before(step, state)
+        state, metrics = step_fn(state, batch)
+        log.dispatched(step, metrics)
+        if profiler:
+          profiler.after(step, state)
+        done = step + 1  # state.step once this step has run
+        stop = preemption.should_stop(done)
+        save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
+        if save or stop:
+          # Only a state whose update was finite is saved: fetch this step's metrics first.
+          log.defer(step, metrics)
+          log.fetch()
+          if save:
+            ckpt.save(done, state, data.get_state())
+        if stop:
+          stopped_at = done
+          break
+        if done < t.steps:
+          batch = trainer.device_batch(next(data))
+        if not save:
+          log.defer(step, metrics)
+      log.fetch()
+  finally:
+    writer.close()
+    if ckpt is not None:
+      ckpt.wait()
+      ckpt.close()
+  jax.block_until_ready(state)
+  history = log.history
+  summary = summarize(history, compile_s) if history else {"steps": 0, "compile_s": compile_s}
+  if stopped_at is not None:
+    summary["stopped"] = f"SIGTERM at step {stopped_at}"
+  (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+  print("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()), flush=True)
+  if stopped_at is not None:
+    saved = f"checkpoint saved at step {stopped_at} in {ckpt.directory}" if ckpt else "no checkpoint (enable_checkpointing=false)"
+    raise Preempted(f"SIGTERM: stopped after step {stopped_at - 1}; {saved}", history)
+  return history
 
 
 def summarize(history: list[dict], compile_s: float) -> dict:

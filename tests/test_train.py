@@ -166,9 +166,11 @@ def test_step_clock_times_a_step_whose_dispatch_blocked_when_the_dispatch_return
 
   from MaxText.metrics import StepClock
 
+  ready = jax.block_until_ready(jnp.float32(1.0))  # made before the clock starts: only the sleeps are timed
+
   def blocking_step(seconds):  # a dispatch that returns once the step has run: ready metrics
     time.sleep(seconds)
-    return {"loss": jax.block_until_ready(jnp.float32(1.0))}
+    return {"loss": ready}
 
   clock = StepClock()
   clock.dispatched(0, blocking_step(0.5))
