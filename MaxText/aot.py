@@ -65,8 +65,10 @@ def plugin_site() -> Path | None:
   for c in candidates:
     if c and (Path(c) / "jax_plugins").is_dir():
       return Path(c)
-  raise UserError("the planner needs the CUDA plugin of this jaxlib and it is not installed; "
-                  f"run `make install`, or: pip install --no-deps --target {REPO / '.venv' / 'gpu-aot'} -r {REPO / 'requirements-gpu-aot.txt'}")
+  raise UserError(
+    "the planner needs the CUDA plugin of this jaxlib and it is not installed; "
+    f"run `make install`, or: pip install --no-deps --target {REPO / '.venv' / 'gpu-aot'} -r {REPO / 'requirements-gpu-aot.txt'}"
+  )
 
 
 def use_plugin() -> None:
@@ -133,7 +135,11 @@ def host_bytes(tree, shardings) -> int:
   """Bytes of `tree` per device placed in host memory (memory_kind pinned_host / unpinned_host)."""
   import jax
 
-  host = [(a, s) for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)) if "host" in (getattr(s, "memory_kind", None) or "")]
+  host = [
+    (a, s)
+    for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+    if "host" in (getattr(s, "memory_kind", None) or "")
+  ]
   return per_device_bytes([a for a, _ in host], [s for _, s in host]) if host else 0
 
 
@@ -166,25 +172,25 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
   budget = int(spec.memory_bytes * memory_fraction)
   offloaded_state = host_bytes(state, shardings)
   memory = {
-      "parameters": per_device_bytes(state.params, shardings.params),
-      "optimizer_state": per_device_bytes(state.opt_state, shardings.opt_state),
-      "other_state": per_device_bytes((state.bias, state.step), (shardings.bias, shardings.step)),
-      "gpu_total": spec.memory_bytes,
-      "memory_fraction": memory_fraction,
-      "budget": budget,
+    "parameters": per_device_bytes(state.params, shardings.params),
+    "optimizer_state": per_device_bytes(state.opt_state, shardings.opt_state),
+    "other_state": per_device_bytes((state.bias, state.step), (shardings.bias, shardings.step)),
+    "gpu_total": spec.memory_bytes,
+    "memory_fraction": memory_fraction,
+    "budget": budget,
   }
   state_on_gpu = memory["parameters"] + memory["optimizer_state"] + memory["other_state"] - offloaded_state
   report = {
-      "recipe_model": cfg.model.model_name,
-      "gpu": gpu,
-      "device_kind": devices[0].device_kind,
-      "num_gpus": num_gpus,
-      "hosts": num_gpus // min(num_gpus, gpus_per_host),
-      "mesh": {a: int(n) for a, n in mesh.shape.items()},
-      "global_batch": b,
-      "seq_len": s,
-      "tokens_per_step": b * s,
-      "memory": memory,
+    "recipe_model": cfg.model.model_name,
+    "gpu": gpu,
+    "device_kind": devices[0].device_kind,
+    "num_gpus": num_gpus,
+    "hosts": num_gpus // min(num_gpus, gpus_per_host),
+    "mesh": {a: int(n) for a, n in mesh.shape.items()},
+    "global_batch": b,
+    "seq_len": s,
+    "tokens_per_step": b * s,
+    "memory": memory,
   }
   if state_on_gpu > budget:
     memory.update(host_offloaded=offloaded_state, peak=state_on_gpu)
@@ -194,7 +200,9 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
   return {**report, **measured, "compiled": True}
 
 
-def compile_and_measure(cfg, trainer, state, batch, gpu: str, num_gpus: int, memory: dict, offloaded_state: int) -> dict:
+def compile_and_measure(
+  cfg, trainer, state, batch, gpu: str, num_gpus: int, memory: dict, offloaded_state: int
+) -> dict:
   from MaxText import compile_only, flops, step_flops
 
   spec = compile_only.GPUS[gpu]
@@ -205,7 +213,9 @@ def compile_and_measure(cfg, trainer, state, batch, gpu: str, num_gpus: int, mem
 
     mla.ATTENTION = {**mla.ATTENTION, "cudnn_flash": flash_stand_in.attention}
   start = time.perf_counter()
-  with progress(f"Compiling the training step for {num_gpus} x {gpu} (compile-only)", cfg.train.compile_heartbeat_seconds):
+  with progress(
+    f"Compiling the training step for {num_gpus} x {gpu} (compile-only)", cfg.train.compile_heartbeat_seconds
+  ):
     compiled = trainer.jit_step().lower(state, batch).compile()
   compile_s = time.perf_counter() - start
   mem = compiled.memory_analysis()
@@ -213,11 +223,23 @@ def compile_and_measure(cfg, trainer, state, batch, gpu: str, num_gpus: int, mem
 
   # Arguments are donated: the new state reuses their buffers (aliased), so peak = arguments + outputs
   # that are not aliased + temporaries + code; newer XLA also reports its own peak.
-  peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes
+  peak = (
+    mem.argument_size_in_bytes
+    + mem.output_size_in_bytes
+    - mem.alias_size_in_bytes
+    + mem.temp_size_in_bytes
+    + mem.generated_code_size_in_bytes
+  )
   peak = max(peak, getattr(mem, "peak_memory_in_bytes", 0) or 0)
-  memory.update(arguments=mem.argument_size_in_bytes, outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes,
-                temporaries=mem.temp_size_in_bytes, code=mem.generated_code_size_in_bytes,
-                host_offloaded=max(mem.host_temp_size_in_bytes + mem.host_argument_size_in_bytes, offloaded_state), peak=peak)
+  memory.update(
+    arguments=mem.argument_size_in_bytes,
+    outputs=mem.output_size_in_bytes,
+    aliased=mem.alias_size_in_bytes,
+    temporaries=mem.temp_size_in_bytes,
+    code=mem.generated_code_size_in_bytes,
+    host_offloaded=max(mem.host_temp_size_in_bytes + mem.host_argument_size_in_bytes, offloaded_state),
+    peak=peak,
+  )
 
   s = cfg.train.max_target_length
   tokens = trainer.global_batch * s
@@ -235,16 +257,16 @@ def compile_and_measure(cfg, trainer, state, batch, gpu: str, num_gpus: int, mem
   compute_s = model_flops / peak_flops
   memory_s = hbm_bytes / spec.memory_bandwidth
   return {
-      "compile_s": round(compile_s, 1),
-      "fits": peak <= memory["budget"],
-      "flops_per_step_per_gpu": {"traced": executed_flops, "model": model_flops},
-      "uncounted_kernels": executed.uncounted_kernels,
-      "attention_stand_in": stand_in,
-      "hbm_bytes_per_step_per_gpu": hbm_bytes,
-      "precision_for_peak": precision,
-      "peak_flops": peak_flops,
-      "lower_bound_step_s": {"compute": compute_s, "memory": memory_s, "step": max(compute_s, memory_s)},
-      "upper_bound_tokens_per_s_per_gpu": tokens / num_gpus / max(compute_s, memory_s, 1e-12),
+    "compile_s": round(compile_s, 1),
+    "fits": peak <= memory["budget"],
+    "flops_per_step_per_gpu": {"traced": executed_flops, "model": model_flops},
+    "uncounted_kernels": executed.uncounted_kernels,
+    "attention_stand_in": stand_in,
+    "hbm_bytes_per_step_per_gpu": hbm_bytes,
+    "precision_for_peak": precision,
+    "peak_flops": peak_flops,
+    "lower_bound_step_s": {"compute": compute_s, "memory": memory_s, "step": max(compute_s, memory_s)},
+    "upper_bound_tokens_per_s_per_gpu": tokens / num_gpus / max(compute_s, memory_s, 1e-12),
   }
 
 
@@ -257,29 +279,40 @@ def format_report(r: dict) -> str:
   mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "1 device"
   budget = f"of a budget of {gib(m['budget']).strip()} ({m['memory_fraction']:.2f} x {m['gpu_total'] / 2**30:.1f} GiB)"
   lines = [
-      f"{r['recipe_model']} on {r['num_gpus']} x {r['device_kind']} ({r['hosts']} host(s)); mesh {mesh}",
-      f"step: {r['global_batch']} sequences x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens"
-      + (f"; compiled in {r['compile_s']:.1f} s" if r["compiled"] else "; not compiled: the train state alone is over the budget"),
-      "memory per GPU:",
-      f"  parameters         {gib(m['parameters'])}",
-      f"  optimizer state    {gib(m['optimizer_state'])}",
+    f"{r['recipe_model']} on {r['num_gpus']} x {r['device_kind']} ({r['hosts']} host(s)); mesh {mesh}",
+    f"step: {r['global_batch']} sequences x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens"
+    + (
+      f"; compiled in {r['compile_s']:.1f} s"
+      if r["compiled"]
+      else "; not compiled: the train state alone is over the budget"
+    ),
+    "memory per GPU:",
+    f"  parameters         {gib(m['parameters'])}",
+    f"  optimizer state    {gib(m['optimizer_state'])}",
   ]
   if not r["compiled"]:
-    lines += [f"  host offloaded     {gib(m['host_offloaded'])}   (state in pinned host memory)",
-              f"  state on the GPU   {gib(m['peak'])}   {budget}", "does NOT fit"]
+    lines += [
+      f"  host offloaded     {gib(m['host_offloaded'])}   (state in pinned host memory)",
+      f"  state on the GPU   {gib(m['peak'])}   {budget}",
+      "does NOT fit",
+    ]
     return "\n".join(lines)
   f, lb = r["flops_per_step_per_gpu"], r["lower_bound_step_s"]
   lines += [
-      f"  temporaries        {gib(m['temporaries'])}   (activations, gathered weights, gradients)",
-      f"  host offloaded     {gib(m['host_offloaded'])}   (pinned host memory, not counted in the peak)",
-      f"  peak               {gib(m['peak'])}   {budget}",
-      f"compute per GPU per step: {f['model'] / 1e12:,.2f} TFLOP model, {f['traced'] / 1e12:,.2f} TFLOP traced (matmuls incl. remat recompute, ragged GEMMs over whole buffers"
-      + (f"; {r['uncounted_kernels']} kernel calls without a cost estimate not counted" if r["uncounted_kernels"] else "")
-      + f"); >= {r['hbm_bytes_per_step_per_gpu'] / 1e9:,.1f} GB of HBM traffic",
-      f"step time >= {lb['step']:.3f} s (model FLOPs {lb['compute']:.3f} s at {r['peak_flops'] / 1e12:.0f} TFLOP/s {r['precision_for_peak']}, "
-      f"HBM {lb['memory']:.3f} s); <= {r['upper_bound_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; collectives not included",
-      *(["attention: cuDNN flash attention planned with a same-footprint stand-in (MaxText/flash_stand_in.py)"] if r["attention_stand_in"] else []),
-      "fits" if r["fits"] else "does NOT fit",
+    f"  temporaries        {gib(m['temporaries'])}   (activations, gathered weights, gradients)",
+    f"  host offloaded     {gib(m['host_offloaded'])}   (pinned host memory, not counted in the peak)",
+    f"  peak               {gib(m['peak'])}   {budget}",
+    f"compute per GPU per step: {f['model'] / 1e12:,.2f} TFLOP model, {f['traced'] / 1e12:,.2f} TFLOP traced (matmuls incl. remat recompute, ragged GEMMs over whole buffers"
+    + (f"; {r['uncounted_kernels']} kernel calls without a cost estimate not counted" if r["uncounted_kernels"] else "")
+    + f"); >= {r['hbm_bytes_per_step_per_gpu'] / 1e9:,.1f} GB of HBM traffic",
+    f"step time >= {lb['step']:.3f} s (model FLOPs {lb['compute']:.3f} s at {r['peak_flops'] / 1e12:.0f} TFLOP/s {r['precision_for_peak']}, "
+    f"HBM {lb['memory']:.3f} s); <= {r['upper_bound_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; collectives not included",
+    *(
+      ["attention: cuDNN flash attention planned with a same-footprint stand-in (MaxText/flash_stand_in.py)"]
+      if r["attention_stand_in"]
+      else []
+    ),
+    "fits" if r["fits"] else "does NOT fit",
   ]
   return "\n".join(lines)
 
@@ -312,9 +345,11 @@ def main(argv: list[str]) -> int:
   if not report["fits"]:
     m = report["memory"]
     what = "the step needs" if report["compiled"] else "the train state alone needs"
-    print(f"error: does not fit: {what} {m['peak'] / 2**30:.1f} GiB per GPU, {(m['peak'] - m['budget']) / 2**30:.1f} GiB over the "
-          f"budget of {m['budget'] / 2**30:.1f} GiB ({m['memory_fraction']:.2f} x {args.gpu}); use more GPUs, more offload or remat, or a smaller batch",
-          file=sys.stderr)
+    print(
+      f"error: does not fit: {what} {m['peak'] / 2**30:.1f} GiB per GPU, {(m['peak'] - m['budget']) / 2**30:.1f} GiB over the "
+      f"budget of {m['budget'] / 2**30:.1f} GiB ({m['memory_fraction']:.2f} x {args.gpu}); use more GPUs, more offload or remat, or a smaller batch",
+      file=sys.stderr,
+    )
     return EXIT_DOES_NOT_FIT
   return 0
 

@@ -90,12 +90,16 @@ class Checkpointer:
     self.last_saved: int | None = None
     t = cfg.train
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=t.max_num_checkpoints_to_keep,
-        enable_async_checkpointing=t.async_checkpointing,
-        cleanup_tmp_directories=True,
-        create=False,  # the run directory is made only after every check has passed
+      max_to_keep=t.max_num_checkpoints_to_keep,
+      enable_async_checkpointing=t.async_checkpointing,
+      cleanup_tmp_directories=True,
+      create=False,  # the run directory is made only after every check has passed
     )
-    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ProcessJsonHandler(), "config": ocp.JsonCheckpointHandler()}
+    handlers = {
+      "state": ocp.StandardCheckpointHandler(),
+      "data": ProcessJsonHandler(),
+      "config": ocp.JsonCheckpointHandler(),
+    }
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     # Orbax removes an earlier run's unfinished saves in a background thread that neither close() nor
     # wait_until_finished() joins; a process exiting soon after (a refused resume) would tear the thread
@@ -116,19 +120,30 @@ class Checkpointer:
     data_keys = [f.name for f in dataclasses.fields(self.cfg.data)] + list(DATA_KEYS_FROM_TRAIN) + list(self.identity)
     changed = [k for k in data_keys if saved.get(k) != now.get(k)]
     if changed:
-      raise UserError(f"checkpoint {where} is from an incompatible config: the data stream differs in {_diff(changed, saved, now)}; "
-                      "restore those values or start a new run_name (load_parameters_path keeps the parameters)")
-    ckpt_leaves = _leaf_map(self.manager.item_metadata(step).state.tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+      raise UserError(
+        f"checkpoint {where} is from an incompatible config: the data stream differs in {_diff(changed, saved, now)}; "
+        "restore those values or start a new run_name (load_parameters_path keeps the parameters)"
+      )
+    ckpt_leaves = _leaf_map(
+      self.manager.item_metadata(step).state.tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+    )
     want = _leaf_map(self.abstract_state)
     # In tree order (params first); names present on one side only come after.
     mismatch = [k for k in want if ckpt_leaves.get(k) != want[k]] + sorted(set(ckpt_leaves) - set(want))
     if mismatch:
       first = mismatch[0]
       detail = f"{first}: checkpoint {_fmt(ckpt_leaves.get(first))}, now {_fmt(want.get(first))}"
-      keys = [k for s in STATE_SECTIONS for k in (f.name for f in dataclasses.fields(getattr(self.cfg, s))) if saved.get(k) != now.get(k)]
+      keys = [
+        k
+        for s in STATE_SECTIONS
+        for k in (f.name for f in dataclasses.fields(getattr(self.cfg, s)))
+        if saved.get(k) != now.get(k)
+      ]
       differ = _diff(keys, saved, now) if keys else "no config key (the code changed the state's layout)"
-      raise UserError(f"checkpoint {where} is from an incompatible config: its train state does not match ({detail}); "
-                      f"keys that differ: {differ}")
+      raise UserError(
+        f"checkpoint {where} is from an incompatible config: its train state does not match ({detail}); "
+        f"keys that differ: {differ}"
+      )
 
   def restore(self, step: int):
     """(train state, data-iterator state) of checkpoint `step`, sharded like the abstract state."""
@@ -143,7 +158,9 @@ class Checkpointer:
     """Starts saving `state` as `step`; with async_checkpointing it returns once the arrays are copied off the device."""
     self.directory.mkdir(parents=True, exist_ok=True)
     config = {**self.cfg.to_flat_dict(), **self.identity}
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ProcessJsonSave(data_state), config=ocp.args.JsonSave(config))
+    args = ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=ProcessJsonSave(data_state), config=ocp.args.JsonSave(config)
+    )
     self.manager.save(step, args=args, force=True)
     self.last_saved = step
 
@@ -162,16 +179,22 @@ def load_parameters(path: str, abstract_params) -> dict:
   if not (p / "_METADATA").exists():
     raise UserError(f"load_parameters_path {path} is not a checkpoint step directory (no state/_METADATA)")
   checkpointer = ocp.PyTreeCheckpointer()
-  saved = _leaf_map(checkpointer.metadata(p).item_metadata.tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  saved = _leaf_map(
+    checkpointer.metadata(p).item_metadata.tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+  )
   want = {f"params/{k}": v for k, v in _leaf_map(abstract_params).items()}
   bad = sorted(k for k in want if saved.get(k) != want[k])
   if bad:
     first = bad[0]
-    raise UserError(f"load_parameters_path {path}: parameters do not match this model "
-                    f"({first}: checkpoint {_fmt(saved.get(first))}, now {_fmt(want[first])})")
+    raise UserError(
+      f"load_parameters_path {path}: parameters do not match this model "
+      f"({first}: checkpoint {_fmt(saved.get(first))}, now {_fmt(want[first])})"
+    )
   target = {"params": abstract_params}
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-  restored = checkpointer.restore(p, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
+  restored = checkpointer.restore(
+    p, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+  )
   return restored["params"]
 
 

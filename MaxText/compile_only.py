@@ -27,9 +27,11 @@ class GpuSpec:
 # Hopper SXM parts: same SM count and clocks; they differ in HBM size and bandwidth. B200 (HGX): used to
 # check what XLA compiles for Blackwell (mxfp8's block-scaled products); never run here.
 GPUS = {
-    "h100": GpuSpec("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000),
-    "h200": GpuSpec("NVIDIA H200", 150_754_820_096, 4_800_000_000_000),
-    "b200": GpuSpec("NVIDIA B200", 192_265_846_784, 8_000_000_000_000, sms=148, l2_bytes=126 * 2**20, clock_ghz=1.965, capability=10),
+  "h100": GpuSpec("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000),
+  "h200": GpuSpec("NVIDIA H200", 150_754_820_096, 4_800_000_000_000),
+  "b200": GpuSpec(
+    "NVIDIA B200", 192_265_846_784, 8_000_000_000_000, sms=148, l2_bytes=126 * 2**20, clock_ghz=1.965, capability=10
+  ),
 }
 
 
@@ -77,9 +79,13 @@ def devices(gpu: str, num_gpus: int, gpus_per_host: int = 8) -> list:
   from jax.experimental import topologies
 
   try:
-    topo = topologies.get_topology_desc(f"{gpu}x{num_gpus}", "cuda", target_config=target_config(gpu), topology=f"1x{num_gpus // per_host}x{per_host}")
+    topo = topologies.get_topology_desc(
+      f"{gpu}x{num_gpus}", "cuda", target_config=target_config(gpu), topology=f"1x{num_gpus // per_host}x{per_host}"
+    )
   except (NotImplementedError, RuntimeError) as e:
-    raise UserError(f"compile-only GPU devices need the CUDA plugin of this jaxlib (pip install --no-deps -r requirements-gpu-aot.txt): {str(e).splitlines()[0]}") from None
+    raise UserError(
+      f"compile-only GPU devices need the CUDA plugin of this jaxlib (pip install --no-deps -r requirements-gpu-aot.txt): {str(e).splitlines()[0]}"
+    ) from None
   return list(topo.devices)
 
 

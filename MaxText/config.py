@@ -19,7 +19,17 @@ from typing import Any
 
 import yaml
 
-from MaxText.config_schema import REMAT_LOCATIONS, SECTIONS, DataConfig, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig, key_index
+from MaxText.config_schema import (
+  REMAT_LOCATIONS,
+  SECTIONS,
+  DataConfig,
+  MeshConfig,
+  ModelConfig,
+  MoEConfig,
+  OptimizerConfig,
+  TrainConfig,
+  key_index,
+)
 from MaxText.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +78,9 @@ def _resolve(name: str, relative_to: Path, key: str) -> Path:
   for candidate in (Path(name), relative_to.parent / name, REPO_ROOT / name):
     if candidate.is_file():
       return candidate.resolve()
-  raise UserError(f"{key}: {name} (named in {relative_to}) not found; give a path relative to that file or to {REPO_ROOT}")
+  raise UserError(
+    f"{key}: {name} (named in {relative_to}) not found; give a path relative to that file or to {REPO_ROOT}"
+  )
 
 
 def _layers_of(path: Path, seen: tuple[Path, ...] = (), model_only: bool = False) -> list[tuple[Path, dict[str, Any]]]:
@@ -166,9 +178,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | tuple[str, ...
   if missing:  # base.yml must give every key a default; tests/test_config.py checks it
     raise UserError(f"{BASE_YML} has no default for: {', '.join(missing)}")
 
-  sections = {
-      name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for name, cls in SECTIONS.items()
-  }
+  sections = {name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for name, cls in SECTIONS.items()}
   cfg = Config(**sections, sources=tuple(str(p) for p, _ in layers[:-1]))
   _check_consistency(cfg, origin)
   return cfg
@@ -181,9 +191,15 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
     raise UserError(f"{key}: {msg} (set in {origin[key]})")
 
   if m.first_num_dense_layers > m.base_num_decoder_layers:
-    fail("first_num_dense_layers", f"{m.first_num_dense_layers} is more than base_num_decoder_layers={m.base_num_decoder_layers}")
+    fail(
+      "first_num_dense_layers",
+      f"{m.first_num_dense_layers} is more than base_num_decoder_layers={m.base_num_decoder_layers}",
+    )
   if m.base_num_kv_heads != m.base_num_query_heads:
-    fail("base_num_kv_heads", f"MLA has one kv head per query head; set it to base_num_query_heads={m.base_num_query_heads}")
+    fail(
+      "base_num_kv_heads",
+      f"MLA has one kv head per query head; set it to base_num_query_heads={m.base_num_query_heads}",
+    )
   if m.qk_rope_head_dim % 2:
     fail("qk_rope_head_dim", f"{m.qk_rope_head_dim} must be even (rotary pairs)")
   if moe.num_experts_per_tok > moe.num_experts:
@@ -194,12 +210,20 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
     fail("topk_routing_group", f"{moe.topk_routing_group} is more than n_routing_groups={moe.n_routing_groups}")
   per_group = moe.num_experts // moe.n_routing_groups
   if moe.n_routing_groups > 1 and per_group < 2:
-    fail("n_routing_groups", f"group scores sum each group's top-2 experts, so groups need >= 2 experts (have {per_group})")
+    fail(
+      "n_routing_groups", f"group scores sum each group's top-2 experts, so groups need >= 2 experts (have {per_group})"
+    )
   if moe.topk_routing_group * per_group < moe.num_experts_per_tok:
-    fail("topk_routing_group", f"{moe.topk_routing_group} groups of {per_group} experts cannot supply num_experts_per_tok={moe.num_experts_per_tok}")
+    fail(
+      "topk_routing_group",
+      f"{moe.topk_routing_group} groups of {per_group} experts cannot supply num_experts_per_tok={moe.num_experts_per_tok}",
+    )
   _check_route_limit(moe, fail)
   if moe.moe_group_pad_multiple and moe.moe_dispatch != "sort":
-    fail("moe_group_pad_multiple", f"pads the dropless groups of moe_dispatch=sort; moe_dispatch={moe.moe_dispatch} has fixed-size groups (set 0)")
+    fail(
+      "moe_group_pad_multiple",
+      f"pads the dropless groups of moe_dispatch=sort; moe_dispatch={moe.moe_dispatch} has fixed-size groups (set 0)",
+    )
   if moe.moe_dispatch == "capacity" and moe.capacity_factor <= 0:
     fail("capacity_factor", "moe_dispatch=capacity needs capacity_factor > 0 (e.g. 1.25)")
   if moe.moe_dispatch == "sort" and moe.capacity_factor > 0:
@@ -215,7 +239,10 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
     if why := quant_check(moe.quantization, moe.moe_gmm_backend):
       fail("quantization", why)
   if t.per_device_batch_size % t.gradient_accumulation_steps:
-    fail("gradient_accumulation_steps", f"per_device_batch_size={t.per_device_batch_size} is not divisible by {t.gradient_accumulation_steps}")
+    fail(
+      "gradient_accumulation_steps",
+      f"per_device_batch_size={t.per_device_batch_size} is not divisible by {t.gradient_accumulation_steps}",
+    )
   if cfg.optimizer.learning_rate_schedule_steps == 0 or cfg.optimizer.learning_rate_schedule_steps < -1:
     fail("learning_rate_schedule_steps", "must be -1 (use steps) or a positive number of steps")
   _check_remat(m, origin, fail)
@@ -246,18 +273,29 @@ def _check_route_limit(moe, fail) -> None:
     kept = moe.topk_routing_group
     fewest = m * (kept // g) + min(m, kept % g)  # kept routing groups inside the best m rank groups
     if fewest * (moe.num_experts // n) < k:
-      fail("moe_route_limit_topk_groups", f"{m} of {g} groups may hold only {fewest} of the topk_routing_group={kept} routing groups, fewer than num_experts_per_tok={k} experts")
+      fail(
+        "moe_route_limit_topk_groups",
+        f"{m} of {g} groups may hold only {fewest} of the topk_routing_group={kept} routing groups, fewer than num_experts_per_tok={k} experts",
+      )
+
+
 def _check_expert_parallel(cfg: Config, fail) -> None:
   """moe_dispatch over the mesh axis expert (MaxText/moe/ep/): dropless, its backend present, experts divisible."""
   from MaxText.moe import ep
 
   moe, mesh = cfg.moe, cfg.mesh
   if moe.moe_ep_buffer_factor != -1 and moe.moe_ep_buffer_factor <= 0:
-    fail("moe_ep_buffer_factor", f"{moe.moe_ep_buffer_factor}: must be -1 (worst case) or > 0 (a multiple of the balanced share)")
+    fail(
+      "moe_ep_buffer_factor",
+      f"{moe.moe_ep_buffer_factor}: must be -1 (worst case) or > 0 (a multiple of the balanced share)",
+    )
   if not ep.is_ep(moe.moe_dispatch):
     return
   if moe.capacity_factor > 0:
-    fail("capacity_factor", f"moe_dispatch={moe.moe_dispatch} is dropless; set capacity_factor=-1 (size its buffers with moe_ep_buffer_factor)")
+    fail(
+      "capacity_factor",
+      f"moe_dispatch={moe.moe_dispatch} is dropless; set capacity_factor=-1 (size its buffers with moe_ep_buffer_factor)",
+    )
   problem = ep.unavailable(moe.moe_dispatch)
   if problem:
     fail("moe_dispatch", f"{moe.moe_dispatch}: {problem}")
@@ -274,11 +312,17 @@ def _check_data(d, m, fail) -> None:
   if not getattr(d, needs):
     fail(needs, f"dataset_type={d.dataset_type} needs {needs}")
   if d.tokenize_train_data and not d.tokenizer_path:
-    fail("tokenizer_path", f"dataset_type={d.dataset_type} needs a tokenizer file (or tokenize_train_data=false for token-id columns)")
+    fail(
+      "tokenizer_path",
+      f"dataset_type={d.dataset_type} needs a tokenizer file (or tokenize_train_data=false for token-id columns)",
+    )
   if not d.train_data_columns:
     fail("train_data_columns", "name the column that holds the documents")
   if d.packing and m.attention != "dot_product":
-    fail("packing", f"packed rows need segment-aware attention: set attention=dot_product (not {m.attention}) or packing=false")
+    fail(
+      "packing",
+      f"packed rows need segment-aware attention: set attention=dot_product (not {m.attention}) or packing=false",
+    )
 
 
 def _check_remat(m, origin: dict[str, str], fail) -> None:

@@ -65,7 +65,9 @@ class ModelConfig:
   dtype: str = choice(*DTYPES)
   weight_dtype: str = choice(*DTYPES)
   scan_layers: bool
-  remat_policy: str = choice("full", "minimal", "save_dot_except_mlp", "save_dot_except_moe", "save_qkv_proj", "save_out_proj", "custom", "none")
+  remat_policy: str = choice(
+    "full", "minimal", "save_dot_except_mlp", "save_dot_except_moe", "save_qkv_proj", "save_out_proj", "custom", "none"
+  )
   # remat_policy=custom: per checkpoint-named tensor, remat | device | offload (MaxText/remat.py).
   decoder_layer_input: str = remat_location()
   mla_q: str = remat_location()
@@ -212,12 +214,12 @@ class TrainConfig:
 
 
 SECTIONS = {
-    "model": ModelConfig,
-    "moe": MoEConfig,
-    "optimizer": OptimizerConfig,
-    "mesh": MeshConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
+  "model": ModelConfig,
+  "moe": MoEConfig,
+  "optimizer": OptimizerConfig,
+  "mesh": MeshConfig,
+  "data": DataConfig,
+  "train": TrainConfig,
 }
 
 

@@ -81,8 +81,10 @@ def _slurm(env: dict) -> Launch:
 
 def _kubernetes(env: dict, fqdn: str) -> Launch:
   if "JAX_NUM_PROCESSES" not in env:
-    raise UserError("JOB_COMPLETION_INDEX is set (a Kubernetes indexed Job) but JAX_NUM_PROCESSES is not: "
-                    "set it in the manifest to the Job's completions")
+    raise UserError(
+      "JOB_COMPLETION_INDEX is set (a Kubernetes indexed Job) but JAX_NUM_PROCESSES is not: "
+      "set it in the manifest to the Job's completions"
+    )
   index = _int(env, "JOB_COMPLETION_INDEX")
   n = _int(env, "JAX_NUM_PROCESSES")
   if "JAX_COORDINATOR_ADDRESS" in env:
@@ -90,7 +92,9 @@ def _kubernetes(env: dict, fqdn: str) -> Launch:
   host, _, domain = fqdn.partition(".")
   m = re.fullmatch(r"(.+)-(\d+)", host)
   if not m or int(m.group(2)) != index:
-    raise UserError(f"pod hostname {host!r} does not end in -{index} (JOB_COMPLETION_INDEX): set JAX_COORDINATOR_ADDRESS")
+    raise UserError(
+      f"pod hostname {host!r} does not end in -{index} (JOB_COMPLETION_INDEX): set JAX_COORDINATOR_ADDRESS"
+    )
   leader = f"{m.group(1)}-0" + (f".{domain}" if domain else "")
   return Launch("kubernetes", f"{leader}:{_port(env, K8S_PORT)}", n, index)
 
@@ -124,9 +128,9 @@ def initialize(env: dict | None = None) -> Launch:
     import jax
 
     jax.distributed.initialize(
-        coordinator_address=launch.coordinator,
-        num_processes=launch.num_processes,
-        process_id=launch.process_id,
-        local_device_ids=list(launch.local_device_ids) if launch.local_device_ids is not None else None,
+      coordinator_address=launch.coordinator,
+      num_processes=launch.num_processes,
+      process_id=launch.process_id,
+      local_device_ids=list(launch.local_device_ids) if launch.local_device_ids is not None else None,
     )
   return launch

@@ -26,44 +26,87 @@ OK, MISSING, UNUSABLE = "ok", "missing", "unusable"
 MIN_PYTHON = (3, 12)
 # Mirrors requirements.txt (tests/test_doctor.py checks that they agree).
 MIN_VERSIONS = {
-    "jax": "0.11.2", "jaxlib": "0.11.2", "numpy": "2.0", "optax": "0.2.6", "PyYAML": "6.0", "tensorboardX": "2.6",
-    "orbax-checkpoint": "0.12.8", "grain": "0.2.18", "array-record": "0.8.6", "tensorflow-datasets": "4.9.10", "pyarrow": "26.0",
-    "datasets": "5.2.0", "sentencepiece": "0.2.3", "tiktoken": "0.14.0", "tokenizers": "0.23.3", "tensorstore": "0.1.86", "etils": "1.15",
+  "jax": "0.11.2",
+  "jaxlib": "0.11.2",
+  "numpy": "2.0",
+  "optax": "0.2.6",
+  "PyYAML": "6.0",
+  "tensorboardX": "2.6",
+  "orbax-checkpoint": "0.12.8",
+  "grain": "0.2.18",
+  "array-record": "0.8.6",
+  "tensorflow-datasets": "4.9.10",
+  "pyarrow": "26.0",
+  "datasets": "5.2.0",
+  "sentencepiece": "0.2.3",
+  "tiktoken": "0.14.0",
+  "tokenizers": "0.23.3",
+  "tensorstore": "0.1.86",
+  "etils": "1.15",
 }
 
 # (module, distribution, required, what it is for); tensorboardX is only needed with enable_tensorboard.
 CORE_PACKAGES = [
-    ("jax", "jax", True, "arrays, jit, sharding"),
-    ("jaxlib", "jaxlib", True, "XLA runtime for jax"),
-    ("numpy", "numpy", True, "host arrays"),
-    ("optax", "optax", True, "optimizer"),
-    ("yaml", "PyYAML", True, "recipe and config files"),
-    ("tensorboardX", "tensorboardX", False, "enable_tensorboard=true"),
+  ("jax", "jax", True, "arrays, jit, sharding"),
+  ("jaxlib", "jaxlib", True, "XLA runtime for jax"),
+  ("numpy", "numpy", True, "host arrays"),
+  ("optax", "optax", True, "optimizer"),
+  ("yaml", "PyYAML", True, "recipe and config files"),
+  ("tensorboardX", "tensorboardX", False, "enable_tensorboard=true"),
 ]
 
 # (name, module, distributions to read the version from, what it enables, how to install).
 OPTIONAL_PACKAGES = [
-    ("transformer_engine", "transformer_engine", ("transformer-engine", "transformer-engine-jax"),
-     "Transformer Engine: moe_gmm_backend=te, moe_dispatch=te", "pip install 'transformer_engine[jax]'"),
-    ("tokamax", "tokamax", ("tokamax",), "tokamax Pallas kernels: moe_gmm_backend=tokamax", "pip install tokamax"),
-    ("torch", "torch", ("torch",), "PyTorch: parity tests and benchmarks", "pip install torch"),
-    ("orbax-checkpoint", "orbax.checkpoint", ("orbax-checkpoint",), "checkpoint save and restore", "pip install orbax-checkpoint"),
-    ("grain", "grain", ("grain",), "grain data loading pipelines", "pip install grain"),
-    ("tensorflow_datasets", "tensorflow_datasets", ("tensorflow-datasets",), "TFDS datasets", "pip install tensorflow-datasets"),
-    ("transformers", "transformers", ("transformers",), "Hugging Face tokenizers and checkpoint conversion", "pip install transformers"),
-    ("safetensors", "safetensors", ("safetensors",), "reading .safetensors checkpoints", "pip install safetensors"),
+  (
+    "transformer_engine",
+    "transformer_engine",
+    ("transformer-engine", "transformer-engine-jax"),
+    "Transformer Engine: moe_gmm_backend=te, moe_dispatch=te",
+    "pip install 'transformer_engine[jax]'",
+  ),
+  ("tokamax", "tokamax", ("tokamax",), "tokamax Pallas kernels: moe_gmm_backend=tokamax", "pip install tokamax"),
+  ("torch", "torch", ("torch",), "PyTorch: parity tests and benchmarks", "pip install torch"),
+  (
+    "orbax-checkpoint",
+    "orbax.checkpoint",
+    ("orbax-checkpoint",),
+    "checkpoint save and restore",
+    "pip install orbax-checkpoint",
+  ),
+  ("grain", "grain", ("grain",), "grain data loading pipelines", "pip install grain"),
+  (
+    "tensorflow_datasets",
+    "tensorflow_datasets",
+    ("tensorflow-datasets",),
+    "TFDS datasets",
+    "pip install tensorflow-datasets",
+  ),
+  (
+    "transformers",
+    "transformers",
+    ("transformers",),
+    "Hugging Face tokenizers and checkpoint conversion",
+    "pip install transformers",
+  ),
+  ("safetensors", "safetensors", ("safetensors",), "reading .safetensors checkpoints", "pip install safetensors"),
 ]
 
 # CUDA major -> (kernel package, PJRT plugin), each as (module, distribution). jax[cudaNN] installs both.
 CUDA_PLUGINS = {
-    13: (("jax_cuda13_plugin", "jax-cuda13-plugin"), ("jax_plugins.xla_cuda13", "jax-cuda13-pjrt")),
-    12: (("jax_cuda12_plugin", "jax-cuda12-plugin"), ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt")),
+  13: (("jax_cuda13_plugin", "jax-cuda13-plugin"), ("jax_plugins.xla_cuda13", "jax-cuda13-pjrt")),
+  12: (("jax_cuda12_plugin", "jax-cuda12-plugin"), ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt")),
 }
 
 MOSAIC_GMM_MODULE = "jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"
 HOPPER = "9.0"
 
-ENV_VARS = ["XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES", "JAX_PLATFORMS"]
+ENV_VARS = [
+  "XLA_FLAGS",
+  "XLA_PYTHON_CLIENT_MEM_FRACTION",
+  "CUDA_DEVICE_MAX_CONNECTIONS",
+  "CUDA_VISIBLE_DEVICES",
+  "JAX_PLATFORMS",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +174,9 @@ def check_core(module: str, dist: str, required: bool, purpose: str) -> Check:
     spec, err = locate(module)
     version = dist_version(dist)
     if spec is None:
-      return Check(dist, UNUSABLE if err else MISSING, err or f"not installed ({purpose}); pip install {dist}", required)
+      return Check(
+        dist, UNUSABLE if err else MISSING, err or f"not installed ({purpose}); pip install {dist}", required
+      )
     version = version or "unknown"
   if need and version_tuple(version) < version_tuple(need):
     return Check(dist, UNUSABLE, f"{version} (needs >= {need})", required)
@@ -152,7 +197,9 @@ def check_backend() -> tuple[list[Check], list]:
     return [Check("jax backend", UNUSABLE, f"no devices: {first_line(e)}", required=True)], []
   if not devices:
     return [Check("jax backend", UNUSABLE, f"{platform}: no devices", required=True)], []
-  checks = [Check("jax backend", OK, f"platform {platform}: {len(devices)} device(s), {processes} process(es)", required=True)]
+  checks = [
+    Check("jax backend", OK, f"platform {platform}: {len(devices)} device(s), {processes} process(es)", required=True)
+  ]
   kinds: dict[str, list] = {}
   for d in devices:
     kinds.setdefault(d.device_kind, []).append(d)
@@ -175,7 +222,9 @@ def is_gpu(device) -> bool:
 
 def all_hopper(devices: list) -> bool:
   """There are GPUs, and every one is sm_90 (what the Mosaic GPU kernels need)."""
-  return any(is_gpu(d) for d in devices) and all(getattr(d, "compute_capability", None) == HOPPER for d in devices if is_gpu(d))
+  return any(is_gpu(d) for d in devices) and all(
+    getattr(d, "compute_capability", None) == HOPPER for d in devices if is_gpu(d)
+  )
 
 
 def check_hopper(capabilities: set) -> Check:
@@ -196,9 +245,15 @@ def check_cuda_plugins(devices: list) -> list[Check]:
     pjrt_spec, pjrt_err = locate(pjrt_mod)
     if kernel_spec is None and pjrt_spec is None and not (kernel_err or pjrt_err):
       continue
-    parts = [f"{dist} {dist_version(dist) or 'unknown'}" for dist, spec in ((kernel_dist, kernel_spec), (pjrt_dist, pjrt_spec)) if spec]
+    parts = [
+      f"{dist} {dist_version(dist) or 'unknown'}"
+      for dist, spec in ((kernel_dist, kernel_spec), (pjrt_dist, pjrt_spec))
+      if spec
+    ]
     detail = ", ".join(parts)
-    install = f"pip install 'jax[cuda{major}]=={jaxlib_version}'" if jaxlib_version else f"pip install 'jax[cuda{major}]'"
+    install = (
+      f"pip install 'jax[cuda{major}]=={jaxlib_version}'" if jaxlib_version else f"pip install 'jax[cuda{major}]'"
+    )
     kernel_version = dist_version(kernel_dist)
     name = f"cuda{major} plugin"
     if kernel_err or pjrt_err:
@@ -210,11 +265,17 @@ def check_cuda_plugins(devices: list) -> list[Check]:
       # jaxlib refuses a kernel plugin whose version differs from its own.
       checks.append(Check(name, UNUSABLE, f"{detail}; jaxlib is {jaxlib_version}, so jax will not use it; {install}"))
     elif devices and not sees_gpu:
-      checks.append(Check(name, UNUSABLE, f"{detail}; installed, but jax found no GPU (driver? CUDA_VISIBLE_DEVICES? JAX_PLATFORMS?)"))
+      checks.append(
+        Check(
+          name, UNUSABLE, f"{detail}; installed, but jax found no GPU (driver? CUDA_VISIBLE_DEVICES? JAX_PLATFORMS?)"
+        )
+      )
     else:
       checks.append(Check(name, OK, detail))
   if not checks:
-    checks.append(Check("cuda plugin", MISSING, "no jax-cuda13/jax-cuda12 plugin: jax runs on CPU only; pip install 'jax[cuda13]'"))
+    checks.append(
+      Check("cuda plugin", MISSING, "no jax-cuda13/jax-cuda12 plugin: jax runs on CPU only; pip install 'jax[cuda13]'")
+    )
   return checks
 
 
@@ -327,8 +388,14 @@ def check_nccl() -> Check:
       return Check("nccl", OK, f"{version} ({library}); {purpose}")
   version = dist_version(*NCCL_DISTS) or os.environ.get("NCCL_VERSION")
   if version:
-    return Check("nccl", OK, f"{version} (from {'the wheel metadata' if dist_version(*NCCL_DISTS) else 'NCCL_VERSION'}; library not loadable here); {purpose}")
-  return Check("nccl", MISSING, f"no libnccl found: {purpose} need it; pip install 'jax[cuda13]' brings nvidia-nccl-cu13")
+    return Check(
+      "nccl",
+      OK,
+      f"{version} (from {'the wheel metadata' if dist_version(*NCCL_DISTS) else 'NCCL_VERSION'}; library not loadable here); {purpose}",
+    )
+  return Check(
+    "nccl", MISSING, f"no libnccl found: {purpose} need it; pip install 'jax[cuda13]' brings nvidia-nccl-cu13"
+  )
 
 
 def check_host_memory(devices: list) -> Check:
@@ -341,7 +408,11 @@ def check_host_memory(devices: list) -> Check:
     return Check("pinned host memory", UNUSABLE, f"memory kinds not reported: {first_line(e)}; {purpose}")
   if "pinned_host" in kinds:
     return Check("pinned host memory", OK, f"{devices[0].device_kind} memories: {', '.join(kinds)}; {purpose} can run")
-  return Check("pinned host memory", UNUSABLE, f"{devices[0].device_kind} memories: {', '.join(kinds)}, no pinned_host; no {purpose}")
+  return Check(
+    "pinned host memory",
+    UNUSABLE,
+    f"{devices[0].device_kind} memories: {', '.join(kinds)}, no pinned_host; no {purpose}",
+  )
 
 
 def check_moe_backends(devices: list) -> list[Check]:
@@ -368,8 +439,10 @@ def check_moe_backends(devices: list) -> list[Check]:
   def line(ok, bad):
     return f"usable: {', '.join(ok) or 'none'}" + (f"; not here: {'; '.join(bad)}" if bad else "")
 
-  return [Check("moe_dispatch", OK if dispatch_ok else UNUSABLE, line(dispatch_ok, dispatch_not)),
-          Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not))]
+  return [
+    Check("moe_dispatch", OK if dispatch_ok else UNUSABLE, line(dispatch_ok, dispatch_not)),
+    Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not)),
+  ]
 
 
 def check_quantization(devices: list) -> Check:
@@ -379,10 +452,16 @@ def check_quantization(devices: list) -> Check:
 
   hopper_kernels = gmm.available("mosaic") and all_hopper(devices)
   native = bool(devices) and all(quant.has_block_scaled_mma(d) for d in devices)
-  mx = ("mxfp8_impl=auto -> block_scaled (tensor-core block-scaled MMA)" if native else
-        "mxfp8_impl=auto -> emulated (no block-scaled MMA here: dequantised into the bf16 grouped GEMM)")
-  fp8 = ("Hopper kernels (moe_gmm_backend=mosaic)" if hopper_kernels else
-         "jnp reference only (moe_gmm_backend=xla, no fp8 speed-up; the fp8 kernels need sm_90)")
+  mx = (
+    "mxfp8_impl=auto -> block_scaled (tensor-core block-scaled MMA)"
+    if native
+    else "mxfp8_impl=auto -> emulated (no block-scaled MMA here: dequantised into the bf16 grouped GEMM)"
+  )
+  fp8 = (
+    "Hopper kernels (moe_gmm_backend=mosaic)"
+    if hopper_kernels
+    else "jnp reference only (moe_gmm_backend=xla, no fp8 speed-up; the fp8 kernels need sm_90)"
+  )
   return Check("quantization", OK, f"mxfp8: {mx}; fp8_blockwise: {fp8}")
 
 
@@ -392,7 +471,9 @@ def collect() -> list[Check]:
   flag_checks = check_xla_flags()
   checks += flag_checks
   if flag_checks[0].status != OK:  # starting the backend would abort the process
-    return checks + [Check("jax backend", UNUSABLE, "not started: XLA_FLAGS holds a flag this jaxlib does not know", required=True)]
+    return checks + [
+      Check("jax backend", UNUSABLE, "not started: XLA_FLAGS holds a flag this jaxlib does not know", required=True)
+    ]
   backend, devices = check_backend()
   checks += backend
   checks += check_cuda_plugins(devices)

@@ -30,7 +30,9 @@ def _fwd(q, k, v):
 
 def _bwd(res, g):
   q, k, v, out, lse = res
-  w = jnp.swapaxes(lse, 1, 2)[..., None] + jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  w = jnp.swapaxes(lse, 1, 2)[..., None] + jnp.sum(
+    g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True
+  )
   return (q * w).astype(q.dtype), (k * w).astype(k.dtype), (g * jax.nn.sigmoid(w)).astype(v.dtype)
 
 

@@ -10,15 +10,15 @@ from MaxText.config_schema import ModelConfig, MoEConfig
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, by substring of jax's device_kind.
 PEAK_BF16_TFLOPS = {
-    "GB300": 2500.0,
-    "GB200": 2500.0,
-    "B300": 2250.0,
-    "B200": 2250.0,
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "H20": 148.0,
-    "A100": 312.0,
+  "GB300": 2500.0,
+  "GB200": 2500.0,
+  "B300": 2250.0,
+  "B200": 2250.0,
+  "H200": 989.0,
+  "H100": 989.0,
+  "H800": 989.0,
+  "H20": 148.0,
+  "A100": 312.0,
 }
 
 

@@ -20,7 +20,9 @@ HOST = "pinned_host"
 
 
 def _offloaded_fields(train_cfg) -> tuple[str, ...]:
-  return (("params",) if train_cfg.parameter_memory_host_offload else ()) + (("opt_state",) if train_cfg.optimizer_memory_host_offload else ())
+  return (("params",) if train_cfg.parameter_memory_host_offload else ()) + (
+    ("opt_state",) if train_cfg.optimizer_memory_host_offload else ()
+  )
 
 
 def describe(train_cfg) -> str:
@@ -36,8 +38,10 @@ def check_supported(mesh) -> None:
   except Exception:  # noqa: BLE001 - a device type without memory spaces in its API
     return
   if kinds and HOST not in kinds:  # compile-only devices list none: the compiler checks them
-    raise UserError(f"optimizer_memory_host_offload/parameter_memory_host_offload need a {HOST} memory space, "
-                    f"which {device.platform} devices ({device.device_kind}) do not have (they have: {', '.join(sorted(kinds))})")
+    raise UserError(
+      f"optimizer_memory_host_offload/parameter_memory_host_offload need a {HOST} memory space, "
+      f"which {device.platform} devices ({device.device_kind}) do not have (they have: {', '.join(sorted(kinds))})"
+    )
 
 
 def _with_kind(tree, kind: str):
@@ -58,4 +62,6 @@ def to_device(state, device_shardings, train_cfg):
   fields = _offloaded_fields(train_cfg)
   if not fields:
     return state
-  return state._replace(**{f: jax.device_put(getattr(state, f), _with_kind(getattr(device_shardings, f), "device")) for f in fields})
+  return state._replace(
+    **{f: jax.device_put(getattr(state, f), _with_kind(getattr(device_shardings, f), "device")) for f in fields}
+  )

@@ -10,15 +10,15 @@ from pathlib import Path
 def format_line(step: int, m: dict) -> str:
   mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "-"
   parts = [
-      f"step {step:>5d}",
-      f"loss {m['loss']:.4f}",
-      f"lr {m['learning_rate']:.3e}",
-      f"gnorm {m['grad_norm']:.3f}",
-      f"{m['step_time_s'] * 1000:.1f} ms",
-      f"{m['tokens_per_s_per_device']:,.0f} tok/s/dev",
-      f"{m['tflops_per_device']:.2f} TFLOP/s/dev",
-      f"MFU {mfu}",
-      f"experts max/mean {m['expert_load_max']:.0f}/{m['expert_load_mean']:.1f}",
+    f"step {step:>5d}",
+    f"loss {m['loss']:.4f}",
+    f"lr {m['learning_rate']:.3e}",
+    f"gnorm {m['grad_norm']:.3f}",
+    f"{m['step_time_s'] * 1000:.1f} ms",
+    f"{m['tokens_per_s_per_device']:,.0f} tok/s/dev",
+    f"{m['tflops_per_device']:.2f} TFLOP/s/dev",
+    f"MFU {mfu}",
+    f"experts max/mean {m['expert_load_max']:.0f}/{m['expert_load_mean']:.1f}",
   ]
   if m.get("mtp_loss"):
     parts.append(f"mtp {m['mtp_loss']:.4f}")

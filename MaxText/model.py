@@ -57,18 +57,18 @@ class LossAux(NamedTuple):
 def layer_specs(m: ModelConfig, moe_cfg: MoEConfig, kind: str) -> dict:
   ffn = mlp_specs(m.emb_dim, m.base_mlp_dim) if kind == "dense" else moe_specs(m.emb_dim, moe_cfg)
   return {
-      "attn_norm": rms_norm_spec(m.emb_dim),
-      "mla": mla_specs(m),
-      "ffn_norm": rms_norm_spec(m.emb_dim),
-      "ffn": ffn,
+    "attn_norm": rms_norm_spec(m.emb_dim),
+    "mla": mla_specs(m),
+    "ffn_norm": rms_norm_spec(m.emb_dim),
+    "ffn": ffn,
   }
 
 
 def model_specs(m: ModelConfig, moe_cfg: MoEConfig) -> dict:
   specs = {
-      "embed": ParamSpec((m.vocab_size, m.emb_dim), ("vocab", "embed")),
-      "final_norm": rms_norm_spec(m.emb_dim),
-      "head": ParamSpec((m.emb_dim, m.vocab_size), ("embed", "vocab")),
+    "embed": ParamSpec((m.vocab_size, m.emb_dim), ("vocab", "embed")),
+    "final_norm": rms_norm_spec(m.emb_dim),
+    "head": ParamSpec((m.emb_dim, m.vocab_size), ("embed", "vocab")),
   }
   if m.first_num_dense_layers:
     specs["dense_layers"] = stacked(layer_specs(m, moe_cfg, "dense"), m.first_num_dense_layers)
@@ -76,11 +76,11 @@ def model_specs(m: ModelConfig, moe_cfg: MoEConfig) -> dict:
     specs["moe_layers"] = stacked(layer_specs(m, moe_cfg, "moe"), m.num_moe_layers)
   if m.mtp_num_layers:
     module = {
-        "embed_norm": rms_norm_spec(m.emb_dim),
-        "hidden_norm": rms_norm_spec(m.emb_dim),
-        "proj": ParamSpec((2 * m.emb_dim, m.emb_dim), (None, "embed")),
-        "layer": layer_specs(m, moe_cfg, "moe"),
-        "final_norm": rms_norm_spec(m.emb_dim),
+      "embed_norm": rms_norm_spec(m.emb_dim),
+      "hidden_norm": rms_norm_spec(m.emb_dim),
+      "proj": ParamSpec((2 * m.emb_dim, m.emb_dim), (None, "embed")),
+      "layer": layer_specs(m, moe_cfg, "moe"),
+      "final_norm": rms_norm_spec(m.emb_dim),
     }
     specs["mtp_layers"] = stacked(module, m.mtp_num_layers)
   return specs
@@ -146,7 +146,9 @@ def _shift_left(a, fill=0):
   return jnp.concatenate([a[:, 1:], jnp.full_like(a[:, :1], fill)], axis=1)
 
 
-def loss_fn(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoEConfig, shard) -> tuple[jax.Array, LossAux]:
+def loss_fn(
+  params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoEConfig, shard
+) -> tuple[jax.Array, LossAux]:
   """Training loss: cross-entropy + MTP + balance terms; also returns the expert load."""
   loss, aux, _ = forward(params, bias, batch, m, moe_cfg, shard)
   return loss, aux
@@ -182,14 +184,18 @@ def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoE
   balance = jnp.sum(moe_stats.balance_loss) + jnp.sum(mtp_stats.balance_loss)
   loss = ce + m.mtp_loss_scaling_factor * mtp_ce + moe_cfg.load_balance_loss_weight * balance
   aux = LossAux(
-      ce=ce,
-      mtp=mtp_ce,
-      balance=balance,
-      load={"moe_layers": moe_stats.load, "mtp_layers": mtp_stats.load},
-      dropped=jnp.sum(moe_stats.dropped) + jnp.sum(mtp_stats.dropped),
-      ep_overflow=jnp.sum(moe_stats.ep_overflow) + jnp.sum(mtp_stats.ep_overflow),
-      ep_sent_bytes=jnp.stack([jnp.sum(moe_stats.ep_sent_bytes) + jnp.sum(mtp_stats.ep_sent_bytes),
-                               jnp.sum(moe_stats.ep_sent_bytes_nodedup) + jnp.sum(mtp_stats.ep_sent_bytes_nodedup)]),
+    ce=ce,
+    mtp=mtp_ce,
+    balance=balance,
+    load={"moe_layers": moe_stats.load, "mtp_layers": mtp_stats.load},
+    dropped=jnp.sum(moe_stats.dropped) + jnp.sum(mtp_stats.dropped),
+    ep_overflow=jnp.sum(moe_stats.ep_overflow) + jnp.sum(mtp_stats.ep_overflow),
+    ep_sent_bytes=jnp.stack(
+      [
+        jnp.sum(moe_stats.ep_sent_bytes) + jnp.sum(mtp_stats.ep_sent_bytes),
+        jnp.sum(moe_stats.ep_sent_bytes_nodedup) + jnp.sum(mtp_stats.ep_sent_bytes_nodedup),
+      ]
+    ),
   )
   return loss, aux, logits
 

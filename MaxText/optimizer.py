@@ -19,11 +19,11 @@ def learning_rate_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
   total = steps if cfg.learning_rate_schedule_steps == -1 else cfg.learning_rate_schedule_steps
   warmup = int(cfg.warmup_steps_fraction * total)
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
-      peak_value=cfg.learning_rate,
-      warmup_steps=warmup,
-      decay_steps=max(total, warmup + 1),
-      end_value=cfg.learning_rate * cfg.cosine_learning_rate_final_fraction,
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=warmup,
+    decay_steps=max(total, warmup + 1),
+    end_value=cfg.learning_rate * cfg.cosine_learning_rate_final_fraction,
   )
 
 
@@ -32,18 +32,18 @@ def make_optimizer(cfg: OptimizerConfig, steps: int, specs) -> optax.GradientTra
   decay_mask = jax.tree.map(lambda s: s.init == "normal", specs, is_leaf=is_spec)
   if cfg.mu_dtype or cfg.nu_dtype:
     adamw = optax.chain(
-        scale_by_adam_stored_as(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.mu_dtype or None, cfg.nu_dtype or None),
-        optax.add_decayed_weights(cfg.adam_weight_decay, decay_mask),
-        optax.scale_by_learning_rate(learning_rate_schedule(cfg, steps)),
+      scale_by_adam_stored_as(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.mu_dtype or None, cfg.nu_dtype or None),
+      optax.add_decayed_weights(cfg.adam_weight_decay, decay_mask),
+      optax.scale_by_learning_rate(learning_rate_schedule(cfg, steps)),
     )
   else:
     adamw = optax.adamw(
-        learning_rate_schedule(cfg, steps),
-        b1=cfg.adam_b1,
-        b2=cfg.adam_b2,
-        eps=cfg.adam_eps,
-        weight_decay=cfg.adam_weight_decay,
-        mask=decay_mask,
+      learning_rate_schedule(cfg, steps),
+      b1=cfg.adam_b1,
+      b2=cfg.adam_b2,
+      eps=cfg.adam_eps,
+      weight_decay=cfg.adam_weight_decay,
+      mask=decay_mask,
     )
   if cfg.gradient_clipping_threshold > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
@@ -56,7 +56,9 @@ class AdamMoments(NamedTuple):
   nu: Any  # the parameter tree, in nu_dtype
 
 
-def scale_by_adam_stored_as(b1: float, b2: float, eps: float, mu_dtype=None, nu_dtype=None) -> optax.GradientTransformation:
+def scale_by_adam_stored_as(
+  b1: float, b2: float, eps: float, mu_dtype=None, nu_dtype=None
+) -> optax.GradientTransformation:
   """optax.scale_by_adam (eps_root 0, no Nesterov) with the moments stored in mu_dtype / nu_dtype (None: the
   parameter's dtype) between steps; read into float32, updated and bias-corrected there, rounded on store."""
 
@@ -72,7 +74,9 @@ def scale_by_adam_stored_as(b1: float, b2: float, eps: float, mu_dtype=None, nu_
     nu = jax.tree.map(lambda g, v: b2 * f32(v) + (1 - b2) * jnp.square(f32(g)), grads, state.nu)
     mu_scale = 1 / (1 - jnp.float32(b1) ** count)
     nu_scale = 1 / (1 - jnp.float32(b2) ** count)
-    updates = jax.tree.map(lambda m, v, g: (m * mu_scale / (jnp.sqrt(v * nu_scale) + eps)).astype(g.dtype), mu, nu, grads)
+    updates = jax.tree.map(
+      lambda m, v, g: (m * mu_scale / (jnp.sqrt(v * nu_scale) + eps)).astype(g.dtype), mu, nu, grads
+    )
     store = lambda new, old: jax.tree.map(lambda n, o: n.astype(o.dtype), new, old)  # noqa: E731
     return updates, AdamMoments(count, store(mu, state.mu), store(nu, state.nu))
 

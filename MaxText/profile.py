@@ -23,8 +23,23 @@ from typing import Callable
 
 # The model's named scopes (model.py, layers/, moe/, train_step.py), innermost first when they nest.
 SCOPES = (
-    "router", "permute", "gmm", "combine", "shared_experts", "ep_dispatch", "ep_combine",
-    "mla_q", "mla_kv", "attention", "attention_out", "mlp", "moe", "embed", "head", "mtp", "optimizer",
+  "router",
+  "permute",
+  "gmm",
+  "combine",
+  "shared_experts",
+  "ep_dispatch",
+  "ep_combine",
+  "mla_q",
+  "mla_kv",
+  "attention",
+  "attention_out",
+  "mlp",
+  "moe",
+  "embed",
+  "head",
+  "mtp",
+  "optimizer",
 )
 HLO_FILE = "step_hlo.txt.gz"
 STEPS_FILE = "profiled_steps.json"
@@ -140,14 +155,16 @@ def summarize(profile_dir: Path) -> dict:
   kernel_ms = sum(per_label.values())
   graphs_ms = sum(ms for (op, _), ms in per_op.items() if op.startswith("command_buffer"))
   summary = {
-      "module": module, "plane": plane, "steps": steps,
-      "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps,
-      "kernel_ms_per_step": kernel_ms,
-      # A CUDA graph (XLA command buffer) is one event in the trace: its kernels cannot be told apart.
-      "command_buffer_ms_per_step": graphs_ms,
-      "step_ms_measured": 1e3 * meta["seconds_per_step"] if meta.get("seconds_per_step") else None,
-      "by_scope_ms": dict(sorted(per_label.items(), key=lambda kv: -kv[1])),
-      "top_ops": [[op, label, ms] for (op, label), ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:25]],
+    "module": module,
+    "plane": plane,
+    "steps": steps,
+    "device_busy_ms_per_step": busy_ns(events) / 1e6 / steps,
+    "kernel_ms_per_step": kernel_ms,
+    # A CUDA graph (XLA command buffer) is one event in the trace: its kernels cannot be told apart.
+    "command_buffer_ms_per_step": graphs_ms,
+    "step_ms_measured": 1e3 * meta["seconds_per_step"] if meta.get("seconds_per_step") else None,
+    "by_scope_ms": dict(sorted(per_label.items(), key=lambda kv: -kv[1])),
+    "top_ops": [[op, label, ms] for (op, label), ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:25]],
   }
   (profile_dir / f"{SUMMARY}.json").write_text(json.dumps(summary, indent=1))
   (profile_dir / f"{SUMMARY}.md").write_text(render(summary))
@@ -157,12 +174,20 @@ def summarize(profile_dir: Path) -> dict:
 def render(summary: dict) -> str:
   kernel_ms = summary["kernel_ms_per_step"] or 1.0
   measured = f", measured step {summary['step_ms_measured']:.1f} ms" if summary["step_ms_measured"] else ""
-  lines = [f"# Device time per step ({summary['steps']} steps of {summary['module']}, {summary['plane']})", "",
-           f"Kernels {summary['kernel_ms_per_step']:.2f} ms, device busy {summary['device_busy_ms_per_step']:.2f} ms{measured}.", "",
-           "| scope | ms/step | share of kernel time |", "|---|---|---|"]
+  lines = [
+    f"# Device time per step ({summary['steps']} steps of {summary['module']}, {summary['plane']})",
+    "",
+    f"Kernels {summary['kernel_ms_per_step']:.2f} ms, device busy {summary['device_busy_ms_per_step']:.2f} ms{measured}.",
+    "",
+    "| scope | ms/step | share of kernel time |",
+    "|---|---|---|",
+  ]
   if summary.get("command_buffer_ms_per_step", 0) > 0.05 * kernel_ms:
-    lines[3:3] = [f"{summary['command_buffer_ms_per_step']:.1f} ms/step ran inside CUDA graphs (XLA command buffers) and count as "
-                  "'other': add no_command_buffers to xla_flag_presets to see them by scope.", ""]
+    lines[3:3] = [
+      f"{summary['command_buffer_ms_per_step']:.1f} ms/step ran inside CUDA graphs (XLA command buffers) and count as "
+      "'other': add no_command_buffers to xla_flag_presets to see them by scope.",
+      "",
+    ]
   lines += [f"| {label} | {ms:.2f} | {100 * ms / kernel_ms:.1f}% |" for label, ms in summary["by_scope_ms"].items()]
   lines += ["", "Longest HLO ops:", "", "| op | scope | ms/step |", "|---|---|---|"]
   lines += [f"| {op} | {label} | {ms:.3f} |" for op, label, ms in summary["top_ops"]]
@@ -194,15 +219,20 @@ class StepProfiler:
     if self.started_at is None or step != self.first + self.count - 1:
       return None
     jax.block_until_ready(state)
-    self._meta["seconds_per_step"] = (time.perf_counter() - self.started_at) / self.count  # with the profiler's overhead
+    self._meta["seconds_per_step"] = (
+      time.perf_counter() - self.started_at
+    ) / self.count  # with the profiler's overhead
     self.started_at = None
     jax.profiler.stop_trace()
     (self.directory / STEPS_FILE).write_text(json.dumps(self._meta))
     summary = summarize(self.directory)
     print(f"profile of steps {self.first}-{step}: {self.directory / (SUMMARY + '.md')}", flush=True)
     if summary["command_buffer_ms_per_step"] > 0.05 * summary["kernel_ms_per_step"]:
-      print(f"  {summary['command_buffer_ms_per_step']:.1f} ms/step inside CUDA graphs cannot be split by scope: "
-            "add no_command_buffers to xla_flag_presets", flush=True)
+      print(
+        f"  {summary['command_buffer_ms_per_step']:.1f} ms/step inside CUDA graphs cannot be split by scope: "
+        "add no_command_buffers to xla_flag_presets",
+        flush=True,
+      )
     for label, ms in list(summary["by_scope_ms"].items())[:12]:
       print(f"  {label:24s} {ms:9.2f} ms/step", flush=True)
     return summary
@@ -210,8 +240,11 @@ class StepProfiler:
 
 def main(argv: list[str]) -> int:
   if len(argv) != 1 or not all((Path(argv[0]) / f).exists() for f in (HLO_FILE, STEPS_FILE)):
-    print(f"usage: python -m MaxText.profile PROFILE_DIR  (a run's profile directory, written by profiler=xplane: "
-          f"it holds {HLO_FILE}, {STEPS_FILE} and the trace)", file=sys.stderr)
+    print(
+      f"usage: python -m MaxText.profile PROFILE_DIR  (a run's profile directory, written by profiler=xplane: "
+      f"it holds {HLO_FILE}, {STEPS_FILE} and the trace)",
+      file=sys.stderr,
+    )
     return 2
   print(render(summarize(Path(argv[0]))))
   return 0

@@ -42,14 +42,14 @@ from MaxText.config_schema import REMAT_LOCATIONS, ModelConfig
 _ATTENTION_PROJ = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
 # remat_policy -> the tensors kept in device memory (the name-based presets).
 NAMED_PRESETS = {
-    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
-    "save_out_proj": ("out_proj",),
-    # Keep the attention projections, recompute the dense MLPs, shared and routed experts.
-    "save_dot_except_mlp": _ATTENTION_PROJ,
-    # Keep the attention projections and the dense/shared MLPs' inner activations, recompute the routed
-    # experts only (their rows are top-k times the tokens: the largest activations of an MoE layer).
-    # (mlpwo is never kept: it is only added to the residual stream, whose backward does not read it.)
-    "save_dot_except_moe": (*_ATTENTION_PROJ, "mlpwi_0", "mlpwi_1", "mlpwi"),
+  "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+  "save_out_proj": ("out_proj",),
+  # Keep the attention projections, recompute the dense MLPs, shared and routed experts.
+  "save_dot_except_mlp": _ATTENTION_PROJ,
+  # Keep the attention projections and the dense/shared MLPs' inner activations, recompute the routed
+  # experts only (their rows are top-k times the tokens: the largest activations of an MoE layer).
+  # (mlpwo is never kept: it is only added to the residual stream, whose backward does not read it.)
+  "save_dot_except_moe": (*_ATTENTION_PROJ, "mlpwi_0", "mlpwi_1", "mlpwi"),
 }
 
 
@@ -87,7 +87,7 @@ def checkpoint_policy(m: ModelConfig):
   if not host:
     return jax.checkpoint_policies.save_only_these_names(*saved)
   return jax.checkpoint_policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=saved, names_which_can_be_offloaded=host, offload_src="device", offload_dst="pinned_host"
+    names_which_can_be_saved=saved, names_which_can_be_offloaded=host, offload_src="device", offload_dst="pinned_host"
   )
 
 
@@ -117,20 +117,26 @@ def tensor_bytes(m: ModelConfig, moe_cfg, batch: int, seq: int, kind: str) -> di
   tokens = batch * seq
   h = m.base_num_query_heads
   elems = {
-      "decoder_layer_input": tokens * m.emb_dim,
-      "mla_q": tokens * m.q_lora_rank,
-      "mla_kv": tokens * (m.kv_lora_rank + m.qk_rope_head_dim),
-      "query_proj": tokens * h * m.qk_head_dim,
-      "key_proj": tokens * h * m.qk_head_dim,
-      "value_proj": tokens * h * m.v_head_dim,
-      "attention_out": tokens * h * m.v_head_dim,
-      "out_proj": tokens * m.emb_dim,
+    "decoder_layer_input": tokens * m.emb_dim,
+    "mla_q": tokens * m.q_lora_rank,
+    "mla_kv": tokens * (m.kv_lora_rank + m.qk_rope_head_dim),
+    "query_proj": tokens * h * m.qk_head_dim,
+    "key_proj": tokens * h * m.qk_head_dim,
+    "value_proj": tokens * h * m.v_head_dim,
+    "attention_out": tokens * h * m.v_head_dim,
+    "out_proj": tokens * m.emb_dim,
   }
   mlp_width = m.base_mlp_dim if kind == "dense" else moe_cfg.base_moe_mlp_dim * moe_cfg.shared_experts
   if mlp_width:
-    elems.update(mlpwi_0=tokens * mlp_width, mlpwi_1=tokens * mlp_width, mlpwi=tokens * mlp_width, mlpwo=tokens * m.emb_dim)
+    elems.update(
+      mlpwi_0=tokens * mlp_width, mlpwi_1=tokens * mlp_width, mlpwi=tokens * mlp_width, mlpwo=tokens * m.emb_dim
+    )
   if kind == "moe":
     rows = tokens * moe_cfg.num_experts_per_tok
-    elems.update(moe_mlpwi_0=rows * moe_cfg.base_moe_mlp_dim, moe_mlpwi_1=rows * moe_cfg.base_moe_mlp_dim, moe_mlpwo=rows * m.emb_dim)
+    elems.update(
+      moe_mlpwi_0=rows * moe_cfg.base_moe_mlp_dim,
+      moe_mlpwi_1=rows * moe_cfg.base_moe_mlp_dim,
+      moe_mlpwo=rows * m.emb_dim,
+    )
   itemsize = jax.numpy.dtype(m.dtype).itemsize
   return {name: n * itemsize for name, n in elems.items() if n}

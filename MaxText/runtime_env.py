@@ -29,46 +29,70 @@ _128_MIB = str(128 * 2**20)
 
 # name -> (what it is for, flags). All are GPU flags: on CPU they parse but do nothing.
 XLA_PRESETS = {
-    "latency_hiding": ("schedule async collectives and host copies to overlap compute", (
-        "--xla_gpu_enable_latency_hiding_scheduler=true",
-    )),
-    "multi_stream_collectives": ("several communication streams, and the async stream at top priority", (
-        "--xla_gpu_experimental_enable_collective_multi_streaming=true",
-        "--xla_gpu_enable_highest_priority_async_stream=true",
-    )),
-    "pipelined_collectives": ("FSDP: all-gather the next layer's weights / reduce-scatter the last one's grads inside the layer loop", (
-        "--xla_gpu_enable_pipelined_all_gather=true",
-        "--xla_gpu_enable_pipelined_reduce_scatter=true",
-        "--xla_gpu_enable_pipelined_all_reduce=true",
-    )),
-    "collective_combine": ("combine small collectives up to 128 MiB each", (
-        f"--xla_gpu_all_gather_combine_threshold_bytes={_128_MIB}",
-        f"--xla_gpu_reduce_scatter_combine_threshold_bytes={_128_MIB}",
-        f"--xla_gpu_all_reduce_combine_threshold_bytes={_128_MIB}",
-    )),
-    "command_buffers": ("CUDA graphs for fusions, cuBLAS, cuDNN and custom calls: fewer kernel launches", (
-        "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
-    )),
-    "no_command_buffers": ("no CUDA graphs: every kernel launched (and profiled) on its own", (
-        "--xla_gpu_enable_command_buffer=",
-    )),
+  "latency_hiding": (
+    "schedule async collectives and host copies to overlap compute",
+    ("--xla_gpu_enable_latency_hiding_scheduler=true",),
+  ),
+  "multi_stream_collectives": (
+    "several communication streams, and the async stream at top priority",
+    (
+      "--xla_gpu_experimental_enable_collective_multi_streaming=true",
+      "--xla_gpu_enable_highest_priority_async_stream=true",
+    ),
+  ),
+  "pipelined_collectives": (
+    "FSDP: all-gather the next layer's weights / reduce-scatter the last one's grads inside the layer loop",
+    (
+      "--xla_gpu_enable_pipelined_all_gather=true",
+      "--xla_gpu_enable_pipelined_reduce_scatter=true",
+      "--xla_gpu_enable_pipelined_all_reduce=true",
+    ),
+  ),
+  "collective_combine": (
+    "combine small collectives up to 128 MiB each",
+    (
+      f"--xla_gpu_all_gather_combine_threshold_bytes={_128_MIB}",
+      f"--xla_gpu_reduce_scatter_combine_threshold_bytes={_128_MIB}",
+      f"--xla_gpu_all_reduce_combine_threshold_bytes={_128_MIB}",
+    ),
+  ),
+  "command_buffers": (
+    "CUDA graphs for fusions, cuBLAS, cuDNN and custom calls: fewer kernel launches",
+    ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",),
+  ),
+  "no_command_buffers": (
+    "no CUDA graphs: every kernel launched (and profiled) on its own",
+    ("--xla_gpu_enable_command_buffer=",),
+  ),
 }
 
 # name -> (what it is for, variables).
 ENV_PRESETS = {
-    "mem_fraction_95": ("let the JAX GPU allocator take 95% of device memory (default 75%)", {
-        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
-    }),
-    "cuda_single_queue": ("one hardware queue: kernels start in launch order (not advised on Blackwell)", {
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-    }),
-    "nccl_no_nvls": ("no NVLink SHARP in NCCL", {
-        "NCCL_NVLS_ENABLE": "0",
-    }),
-    "nccl_debug": ("NCCL logs its set-up and its environment", {
-        "NCCL_DEBUG": "INFO",
-        "NCCL_DEBUG_SUBSYS": "INIT,ENV",
-    }),
+  "mem_fraction_95": (
+    "let the JAX GPU allocator take 95% of device memory (default 75%)",
+    {
+      "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
+    },
+  ),
+  "cuda_single_queue": (
+    "one hardware queue: kernels start in launch order (not advised on Blackwell)",
+    {
+      "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    },
+  ),
+  "nccl_no_nvls": (
+    "no NVLink SHARP in NCCL",
+    {
+      "NCCL_NVLS_ENABLE": "0",
+    },
+  ),
+  "nccl_debug": (
+    "NCCL logs its set-up and its environment",
+    {
+      "NCCL_DEBUG": "INFO",
+      "NCCL_DEBUG_SUBSYS": "INIT,ENV",
+    },
+  ),
 }
 
 _FLAG = re.compile(r"--(xla_[a-z0-9_]+)(?:=(.*))?$", re.S)
@@ -134,9 +158,13 @@ def parse_key(key: str, value: str):
 def planned(train_cfg, environ=None) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
   """([(flag name, token, where it came from)] in order, later wins; {env name: value}) for a TrainConfig."""
   environ = os.environ if environ is None else environ
-  flags = [(n, tok, "the XLA_FLAGS environment variable") for n, tok in parse_flags(environ.get("XLA_FLAGS", ""), "XLA_FLAGS")]
+  flags = [
+    (n, tok, "the XLA_FLAGS environment variable") for n, tok in parse_flags(environ.get("XLA_FLAGS", ""), "XLA_FLAGS")
+  ]
   for preset in parse_key("xla_flag_presets", train_cfg.xla_flag_presets):
-    flags += [(n, tok, f"xla_flag_presets {preset}") for n, tok in parse_flags(" ".join(XLA_PRESETS[preset][1]), preset)]
+    flags += [
+      (n, tok, f"xla_flag_presets {preset}") for n, tok in parse_flags(" ".join(XLA_PRESETS[preset][1]), preset)
+    ]
   flags += [(n, tok, "xla_flags") for n, tok in parse_key("xla_flags", train_cfg.xla_flags)]
   env = {}
   for preset in parse_key("env_presets", train_cfg.env_presets):
@@ -153,13 +181,17 @@ def validate(flags: list[tuple[str, str, str]], libs=None) -> list[str]:
   for name, _, where in flags:
     lib = xla_flags.unknown(name, libs)
     if lib is not None:
-      raise UserError(f"XLA flag --{name} (from {where}) is not known to {lib.label} ({lib.path.name}); "
-                      "XLA would abort on it: remove it or use the name this version has")
+      raise UserError(
+        f"XLA flag --{name} (from {where}) is not known to {lib.label} ({lib.path.name}); "
+        "XLA would abort on it: remove it or use the name this version has"
+      )
   notes = []
   has_gpu_plugin = any(not lib.label.startswith("jaxlib") for lib in libs)
   gpu_sources = list(dict.fromkeys(where for name, _, where in flags if name.startswith("xla_gpu_")))
   if gpu_sources and not has_gpu_plugin:
-    notes.append(f"GPU flags from {', '.join(gpu_sources)} but no CUDA plugin is installed: jax runs on CPU, where they do nothing")
+    notes.append(
+      f"GPU flags from {', '.join(gpu_sources)} but no CUDA plugin is installed: jax runs on CPU, where they do nothing"
+    )
   return notes
 
 
@@ -195,8 +227,10 @@ def apply(train_cfg) -> dict:
     changes["XLA_FLAGS"] = xla
   changes = {k: v for k, v in changes.items() if os.environ.get(k) != v}
   if changes and _backend_started():
-    raise UserError(f"JAX has already started, so {', '.join(sorted(changes))} would not take effect; "
-                    "set XLA flags and environment before JAX starts (python -m MaxText.train does)")
+    raise UserError(
+      f"JAX has already started, so {', '.join(sorted(changes))} would not take effect; "
+      "set XLA flags and environment before JAX starts (python -m MaxText.train does)"
+    )
   for name, value in env.items():
     if name in os.environ and os.environ[name] != value:
       notes.append(f"{name}={value} replaces {os.environ[name]!r} from the environment")
@@ -212,5 +246,7 @@ def in_force(environ=None) -> dict[str, str]:
 
 def describe_presets() -> list[str]:
   lines = [f"xla_flag_presets {n}: {why}: {' '.join(f)}" for n, (why, f) in XLA_PRESETS.items()]
-  lines += [f"env_presets {n}: {why}: {' '.join(f'{k}={v}' for k, v in e.items())}" for n, (why, e) in ENV_PRESETS.items()]
+  lines += [
+    f"env_presets {n}: {why}: {' '.join(f'{k}={v}' for k, v in e.items())}" for n, (why, e) in ENV_PRESETS.items()
+  ]
   return lines

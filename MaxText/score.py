@@ -18,8 +18,16 @@ from MaxText.convert.cli import ArgumentParser, staged_file
 from MaxText.errors import UserError, exit_on_user_error
 
 # Scoring is exact float32 inference whatever the training recipe chose.
-FLOAT32_INFERENCE = ("dtype=float32", "weight_dtype=float32", "logits_dot_in_fp32=true", "attention=dot_product",
-                     "moe_dispatch=sort", "capacity_factor=-1", "moe_gmm_backend=xla", "remat_policy=none")
+FLOAT32_INFERENCE = (
+  "dtype=float32",
+  "weight_dtype=float32",
+  "logits_dot_in_fp32=true",
+  "attention=dot_product",
+  "moe_dispatch=sort",
+  "capacity_factor=-1",
+  "moe_gmm_backend=xla",
+  "remat_policy=none",
+)
 
 
 def parse(argv: list[str]):
@@ -43,7 +51,9 @@ def read_ids(path: Path, vocab_size: int) -> np.ndarray:
   if not np.issubdtype(ids.dtype, np.integer):
     raise UserError(f"--input-ids {path} holds {ids.dtype}; token ids must be integers")
   if ids.min() < 0 or ids.max() >= vocab_size:
-    raise UserError(f"--input-ids {path} has ids in [{ids.min()}, {ids.max()}], outside the vocabulary [0, {vocab_size})")
+    raise UserError(
+      f"--input-ids {path} has ids in [{ids.min()}, {ids.max()}], outside the vocabulary [0, {vocab_size})"
+    )
   return ids.astype(np.int32)
 
 

@@ -19,28 +19,28 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated)
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    # activations
-    "batch": ("data", "fsdp", "expert"),
-    "seq": None,
-    "act_embed": None,
-    "act_heads": "tensor",
-    "act_mlp": "tensor",
-    # parameters
-    "layers": None,
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "heads": "tensor",
-    "head_dim": None,
-    "q_lora": None,
-    "kv_lora": None,
-    # The latent side of the MLA up-projections (wq_b, wkv_b: 11.8 GiB of fp32 weights per GPU in
-    # the 671B if replicated): FSDP-sharded, as upstream MaxText does.
-    "q_lora_in": "fsdp",
-    "kv_lora_in": "fsdp",
-    "mlp": "tensor",
-    "exp": "expert",
-    "exp_router": None,
-    "norm": None,
+  # activations
+  "batch": ("data", "fsdp", "expert"),
+  "seq": None,
+  "act_embed": None,
+  "act_heads": "tensor",
+  "act_mlp": "tensor",
+  # parameters
+  "layers": None,
+  "vocab": "tensor",
+  "embed": "fsdp",
+  "heads": "tensor",
+  "head_dim": None,
+  "q_lora": None,
+  "kv_lora": None,
+  # The latent side of the MLA up-projections (wq_b, wkv_b: 11.8 GiB of fp32 weights per GPU in
+  # the 671B if replicated): FSDP-sharded, as upstream MaxText does.
+  "q_lora_in": "fsdp",
+  "kv_lora_in": "fsdp",
+  "mlp": "tensor",
+  "exp": "expert",
+  "exp_router": None,
+  "norm": None,
 }
 
 
@@ -71,10 +71,14 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[s
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if fill:
       if count % fixed:
-        raise UserError(f"{level} mesh: {count} devices are not divisible by the fixed axes' product {fixed} ({_fmt(sizes)})")
+        raise UserError(
+          f"{level} mesh: {count} devices are not divisible by the fixed axes' product {fixed} ({_fmt(sizes)})"
+        )
       sizes[fill[0]] = count // fixed
     if math.prod(sizes.values()) != count:
-      raise UserError(f"{level} mesh {_fmt(sizes)} has {math.prod(sizes.values())} devices but {count} are available; make the product {count} or set one axis to -1")
+      raise UserError(
+        f"{level} mesh {_fmt(sizes)} has {math.prod(sizes.values())} devices but {count} are available; make the product {count} or set one axis to -1"
+      )
     for a in MESH_AXES:
       shape[a] = shape.get(a, 1) * sizes[a]
   return shape

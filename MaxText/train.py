@@ -62,12 +62,19 @@ def out_of_memory_is_a_user_error(run_dir: Path, fresh: bool):
     if not str(e).startswith("RESOURCE_EXHAUSTED"):
       raise
     metrics = run_dir / "metrics.jsonl"
-    if fresh and jax.process_index() == 0 and not (metrics.exists() and metrics.stat().st_size) and not (run_dir / "checkpoints").exists():
+    if (
+      fresh
+      and jax.process_index() == 0
+      and not (metrics.exists() and metrics.stat().st_size)
+      and not (run_dir / "checkpoints").exists()
+    ):
       shutil.rmtree(run_dir, ignore_errors=True)
     what = str(e).split("\n")[0].split(" [")[0].removeprefix("RESOURCE_EXHAUSTED: ")
-    raise UserError(f"the device ran out of memory ({what}); lower per_device_batch_size, recompute more "
-                    "(remat_policy=full) or offload activations, or let JAX use more of the GPU (env_presets=mem_fraction_95); "
-                    "python -m MaxText.aot RECIPE --gpu ... shows the memory plan before a run") from None
+    raise UserError(
+      f"the device ran out of memory ({what}); lower per_device_batch_size, recompute more "
+      "(remat_policy=full) or offload activations, or let JAX use more of the GPU (env_presets=mem_fraction_95); "
+      "python -m MaxText.aot RECIPE --gpu ... shows the memory plan before a run"
+    ) from None
 
 
 def describe(cfg: Config, trainer, flops_per_token: float) -> str:
@@ -80,14 +87,14 @@ def describe(cfg: Config, trainer, flops_per_token: float) -> str:
   mesh = " x ".join(f"{a}={n}" for a, n in trainer.mesh.shape.items())
   d = jax.devices()[0]
   return (
-      f"model {cfg.model.model_name}: {total / 1e9:.3f} B parameters, {active / 1e9:.3f} B active per token; "
-      f"{flops_per_token / 1e9:.3f} GFLOP/token (training)\n"
-      f"devices: {jax.device_count()} x {d.device_kind} ({d.platform}), {jax.process_count()} process(es); mesh {mesh}\n"
-      f"batch: {trainer.global_batch} sequences x {cfg.train.max_target_length} tokens, "
-      f"{cfg.train.gradient_accumulation_steps} microbatch(es); moe_dispatch={cfg.moe.moe_dispatch} "
-      f"moe_gmm_backend={cfg.moe.moe_gmm_backend}"
-      + (f" (kernels {cfg.moe.moe_mosaic_kernels})" if cfg.moe.moe_gmm_backend == "mosaic" else "")
-      + f"; dtype={cfg.model.dtype} weights={cfg.model.weight_dtype}"
+    f"model {cfg.model.model_name}: {total / 1e9:.3f} B parameters, {active / 1e9:.3f} B active per token; "
+    f"{flops_per_token / 1e9:.3f} GFLOP/token (training)\n"
+    f"devices: {jax.device_count()} x {d.device_kind} ({d.platform}), {jax.process_count()} process(es); mesh {mesh}\n"
+    f"batch: {trainer.global_batch} sequences x {cfg.train.max_target_length} tokens, "
+    f"{cfg.train.gradient_accumulation_steps} microbatch(es); moe_dispatch={cfg.moe.moe_dispatch} "
+    f"moe_gmm_backend={cfg.moe.moe_gmm_backend}"
+    + (f" (kernels {cfg.moe.moe_mosaic_kernels})" if cfg.moe.moe_gmm_backend == "mosaic" else "")
+    + f"; dtype={cfg.model.dtype} weights={cfg.model.weight_dtype}"
   )
 
 
@@ -172,25 +179,49 @@ def prepare(cfg: Config) -> Run:
   t = cfg.train
   mesh = make_mesh(cfg.mesh)
   trainer = Trainer(cfg, mesh)
-  data = make_iterator(cfg.data, local_batch=trainer.global_batch // jax.process_count(), global_batch=trainer.global_batch,
-                       seq_len=t.max_target_length, vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
-                       process_count=jax.process_count())
+  data = make_iterator(
+    cfg.data,
+    local_batch=trainer.global_batch // jax.process_count(),
+    global_batch=trainer.global_batch,
+    seq_len=t.max_target_length,
+    vocab_size=cfg.model.vocab_size,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  )
   run_dir = run_directory(cfg)
   abstract = checkpointing.with_shardings(trainer.abstract_state(), trainer.state_shardings)
-  ckpt = checkpointing.Checkpointer(run_dir / "checkpoints", cfg, abstract, trainer.global_batch) if t.enable_checkpointing else None
+  ckpt = (
+    checkpointing.Checkpointer(run_dir / "checkpoints", cfg, abstract, trainer.global_batch)
+    if t.enable_checkpointing
+    else None
+  )
   start = ckpt.latest_step() if ckpt else None
   if start is not None:
     if start >= t.steps:
-      raise UserError(f"run directory {run_dir} already holds a run finished at step {start} (steps={t.steps}); "
-                      "raise steps to train on, or choose another run_name")
+      raise UserError(
+        f"run directory {run_dir} already holds a run finished at step {start} (steps={t.steps}); "
+        "raise steps to train on, or choose another run_name"
+      )
     ckpt.check_compatible(start)
   first_profiled = (start or 0) + t.skip_first_n_steps_for_profiler
   if t.profiler and first_profiled + t.profiler_steps > t.steps:
-    raise UserError(f"profiler={t.profiler}: steps {first_profiled}-{first_profiled + t.profiler_steps - 1} would be profiled but the run ends "
-                    f"at step {t.steps - 1}; lower skip_first_n_steps_for_profiler or profiler_steps, or raise steps")
-  return Run(cfg, mesh, trainer, data, run_dir, abstract, ckpt, start,
-             flops_per_token=flops.training_flops_per_token(cfg.model, cfg.moe, t.max_target_length),
-             peak_tflops=flops.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_per_device), first_profiled=first_profiled)
+    raise UserError(
+      f"profiler={t.profiler}: steps {first_profiled}-{first_profiled + t.profiler_steps - 1} would be profiled but the run ends "
+      f"at step {t.steps - 1}; lower skip_first_n_steps_for_profiler or profiler_steps, or raise steps"
+    )
+  return Run(
+    cfg,
+    mesh,
+    trainer,
+    data,
+    run_dir,
+    abstract,
+    ckpt,
+    start,
+    flops_per_token=flops.training_flops_per_token(cfg.model, cfg.moe, t.max_target_length),
+    peak_tflops=flops.peak_tflops(jax.devices()[0].device_kind, t.peak_tflops_per_device),
+    first_profiled=first_profiled,
+  )
 
 
 def initial_state(run: Run):
@@ -212,7 +243,9 @@ def initial_state(run: Run):
 
       from MaxText.convert.checkpoint import load_bias
 
-      state = state._replace(bias=jax.device_put(load_bias(cfg.train.load_parameters_path, run.abstract.bias), trainer.state_shardings.bias))
+      state = state._replace(
+        bias=jax.device_put(load_bias(cfg.train.load_parameters_path, run.abstract.bias), trainer.state_shardings.bias)
+      )
     print(f"parameters loaded from {cfg.train.load_parameters_path}", flush=True)
   return state, 0
 
@@ -225,9 +258,11 @@ def compile_step(run: Run, state, batch):
   compile_s = time.perf_counter() - compile_start
   mem = step_fn.memory_analysis()
   if mem is not None:
-    print(f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
-          f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
-          f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB")
+    print(
+      f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
+      f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
+      f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB"
+    )
   return step_fn, compile_s
 
 
@@ -262,7 +297,9 @@ class StepLog:
     (step, metrics), self.pending = self.pending, None
     run, t = self.run, self.run.cfg.train
     values = {k: v.item() for k, v in jax.device_get(metrics).items()}
-    values.update(rates(self.clock.step_time(step), self.tokens_per_step, run.mesh.size, run.flops_per_token, run.peak_tflops))
+    values.update(
+      rates(self.clock.step_time(step), self.tokens_per_step, run.mesh.size, run.flops_per_token, run.peak_tflops)
+    )
     if self.profiler and self.profiler.first <= step <= self.profiler.first + self.profiler.count:
       values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
     self.history.append({"step": step, **values})
@@ -272,9 +309,11 @@ class StepLog:
       self.writer.write(step, values)
       self.writer.flush()
     if overflow:
-      raise EpBufferOverflow(f"step {step}: {overflow} token copies did not fit the expert-parallel buffers "
-                             f"(moe_ep_buffer_factor={run.cfg.moe.moe_ep_buffer_factor}); the update was not applied and nothing was saved "
-                             "after it. Raise moe_ep_buffer_factor, or set it to -1 (worst-case buffers, never overflow)")
+      raise EpBufferOverflow(
+        f"step {step}: {overflow} token copies did not fit the expert-parallel buffers "
+        f"(moe_ep_buffer_factor={run.cfg.moe.moe_ep_buffer_factor}); the update was not applied and nothing was saved "
+        "after it. Raise moe_ep_buffer_factor, or set it to -1 (worst-case buffers, never overflow)"
+      )
     if not finite:
       what = f"step {step}: loss {values['loss']}, grad norm {values['grad_norm']}"
       if t.nan_policy == "skip":
@@ -283,8 +322,10 @@ class StepLog:
       ckpt = run.ckpt
       good = ckpt.last_saved if ckpt and ckpt.last_saved is not None else (self.start or None)
       last = f"the last checkpoint is step {good} in {ckpt.directory}" if ckpt and good else "there is no checkpoint"
-      raise NonFiniteLoss(f"{what}: not finite; stopped (nan_policy=stop); {last}. "
-                          "Resume from it with a lower learning_rate, or set nan_policy=skip")
+      raise NonFiniteLoss(
+        f"{what}: not finite; stopped (nan_policy=stop); {last}. "
+        "Resume from it with a lower learning_rate, or set nan_policy=skip"
+      )
 
 
 def train(cfg: Config) -> list[dict]:
@@ -312,7 +353,11 @@ def execute(run: Run) -> list[dict]:
   print(f"run directory: {run.run_dir}")
   print(describe(cfg, trainer, run.flops_per_token), flush=True)
   print(f"{remat.describe(cfg.model)}; state in host memory: {trainer.host_offload_description()}")
-  print("environment in force: " + (" ".join(f"{k}={v!r}" for k, v in runtime_env.in_force().items()) or "no XLA_*/CUDA_*/NCCL_*/JAX_* variables"), flush=True)
+  print(
+    "environment in force: "
+    + (" ".join(f"{k}={v!r}" for k, v in runtime_env.in_force().items()) or "no XLA_*/CUDA_*/NCCL_*/JAX_* variables"),
+    flush=True,
+  )
 
   state, start = initial_state(run)
   batch = trainer.device_batch(next(data))
@@ -362,9 +407,16 @@ def execute(run: Run) -> list[dict]:
   if stopped_at is not None:
     summary["stopped"] = f"SIGTERM at step {stopped_at}"
   (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-  print("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()), flush=True)
+  print(
+    "summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
+    flush=True,
+  )
   if stopped_at is not None:
-    saved = f"checkpoint saved at step {stopped_at} in {ckpt.directory}" if ckpt else "no checkpoint (enable_checkpointing=false)"
+    saved = (
+      f"checkpoint saved at step {stopped_at} in {ckpt.directory}"
+      if ckpt
+      else "no checkpoint (enable_checkpointing=false)"
+    )
     raise Preempted(f"SIGTERM: stopped after step {stopped_at - 1}; {saved}", history)
   return history
 
@@ -390,10 +442,10 @@ def summarize(history: list[dict], compile_s: float) -> dict:
 def rates(step_time: float, tokens: int, devices: int, flops_per_token: float, peak: float | None) -> dict:
   tflops = tokens * flops_per_token / step_time / devices / 1e12
   return {
-      "step_time_s": step_time,
-      "tokens_per_s_per_device": tokens / step_time / devices,
-      "tflops_per_device": tflops,
-      "mfu": tflops / peak if peak else None,
+    "step_time_s": step_time,
+    "tokens_per_s_per_device": tokens / step_time / devices,
+    "tflops_per_device": tflops,
+    "mfu": tflops / peak if peak else None,
   }
 
 
@@ -404,13 +456,13 @@ def environment() -> dict:
   from MaxText import runtime_env
 
   return {
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "devices": [str(d) for d in jax.devices()],
-      "device_kind": jax.devices()[0].device_kind,
-      "argv": sys.argv,
-      "environment_in_force": runtime_env.in_force(),  # XLA_FLAGS and the XLA_*/CUDA_*/NCCL_*/JAX_* variables
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "devices": [str(d) for d in jax.devices()],
+    "device_kind": jax.devices()[0].device_kind,
+    "argv": sys.argv,
+    "environment_in_force": runtime_env.in_force(),  # XLA_FLAGS and the XLA_*/CUDA_*/NCCL_*/JAX_* variables
   }
 
 

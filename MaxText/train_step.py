@@ -69,7 +69,12 @@ class Trainer:
   # ---- state ----
   def abstract_state(self) -> TrainState:
     p = params.abstract(self.specs, jnp.dtype(self.cfg.model.weight_dtype))
-    return TrainState(p, jax.eval_shape(self.optimizer.init, p), jax.eval_shape(lambda: model.bias_state(self.cfg.model, self.cfg.moe)), jax.ShapeDtypeStruct((), jnp.int32))
+    return TrainState(
+      p,
+      jax.eval_shape(self.optimizer.init, p),
+      jax.eval_shape(lambda: model.bias_state(self.cfg.model, self.cfg.moe)),
+      jax.ShapeDtypeStruct((), jnp.int32),
+    )
 
   def _state_shardings(self) -> TrainState:
     replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -95,7 +100,9 @@ class Trainer:
     def init():
       key = jax.random.key(self.cfg.train.init_weights_seed)
       p = params.initialize(self.specs, key, dtype, self.cfg.model.param_init_std)
-      return TrainState(p, self.optimizer.init(p), model.bias_state(self.cfg.model, self.cfg.moe), jnp.zeros((), jnp.int32))
+      return TrainState(
+        p, self.optimizer.init(p), model.bias_state(self.cfg.model, self.cfg.moe), jnp.zeros((), jnp.int32)
+      )
 
     return jax.jit(init, out_shardings=self.state_shardings)()
 
@@ -121,7 +128,9 @@ class Trainer:
       return (acc_g, acc_loss + loss, acc_aux), None
 
     zero_g = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
-    aux_shape = jax.eval_shape(lambda mb: grad_fn(p, bias, model.Batch(*mb), m, moe_cfg, self.shard)[0][1], jax.tree.map(lambda a: a[0], micro))
+    aux_shape = jax.eval_shape(
+      lambda mb: grad_fn(p, bias, model.Batch(*mb), m, moe_cfg, self.shard)[0][1], jax.tree.map(lambda a: a[0], micro)
+    )
     zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux_shape)
     (g, loss, aux), _ = jax.lax.scan(body, (zero_g, jnp.zeros((), jnp.float32), zero_aux), micro)
     mean = lambda x: x / accum  # noqa: E731
@@ -144,18 +153,18 @@ class Trainer:
       bias = {k: router.update_bias(bias[k], aux.load[k], self.cfg.moe.routed_bias_update_rate) for k in bias}
     loads = jnp.concatenate([aux.load["moe_layers"], aux.load["mtp_layers"]], axis=0)
     metrics = {
-        "loss": loss,
-        "ce_loss": aux.ce,
-        "mtp_loss": aux.mtp,
-        "balance_loss": aux.balance,
-        "grad_norm": grad_norm,
-        "learning_rate": self.schedule(state.step),
-        "expert_load_max": jnp.max(loads, initial=0).astype(jnp.float32),
-        "expert_load_mean": jnp.mean(loads).astype(jnp.float32) if loads.size else jnp.zeros((), jnp.float32),
-        "dropped_tokens": aux.dropped,
-        "ep_overflow": aux.ep_overflow,
-        "ep_sent_bytes": aux.ep_sent_bytes[0],
-        "ep_sent_bytes_nodedup": aux.ep_sent_bytes[1],
+      "loss": loss,
+      "ce_loss": aux.ce,
+      "mtp_loss": aux.mtp,
+      "balance_loss": aux.balance,
+      "grad_norm": grad_norm,
+      "learning_rate": self.schedule(state.step),
+      "expert_load_max": jnp.max(loads, initial=0).astype(jnp.float32),
+      "expert_load_mean": jnp.mean(loads).astype(jnp.float32) if loads.size else jnp.zeros((), jnp.float32),
+      "dropped_tokens": aux.dropped,
+      "ep_overflow": aux.ep_overflow,
+      "ep_sent_bytes": aux.ep_sent_bytes[0],
+      "ep_sent_bytes_nodedup": aux.ep_sent_bytes[1],
     }
     # A non-finite loss or gradient never reaches the state, decided on device (the select fuses into the
     # update): nan_policy=skip goes on from the unchanged state, nan_policy=stop stops with no NaN ever saved.
@@ -164,19 +173,23 @@ class Trainer:
     # that update is never applied either, and the loop stops with an error (train.py).
     apply = ok & (aux.ep_overflow == 0)
     new_params, opt_state, bias = jax.tree.map(
-        lambda new, old: jnp.where(apply, new, old), (new_params, opt_state, bias), (state.params, state.opt_state, state.bias)
+      lambda new, old: jnp.where(apply, new, old),
+      (new_params, opt_state, bias),
+      (state.params, state.opt_state, state.bias),
     )
     metrics["nonfinite"] = (~ok).astype(jnp.int32)
     return TrainState(new_params, opt_state, bias, state.step + 1), metrics
 
   def jit_step(self):
     return jax.jit(
-        self.step,
-        in_shardings=(self.state_shardings, self.batch_sharding),
-        out_shardings=(self.state_shardings, None),
-        donate_argnums=(0,),
+      self.step,
+      in_shardings=(self.state_shardings, self.batch_sharding),
+      out_shardings=(self.state_shardings, None),
+      donate_argnums=(0,),
     )
 
   def device_batch(self, host_batch: model.Batch) -> model.Batch:
     """This process's rows (numpy) -> global arrays; optional fields left None stay None."""
-    return model.Batch(*(None if a is None else jax.make_array_from_process_local_data(self.batch_sharding, a) for a in host_batch))
+    return model.Batch(
+      *(None if a is None else jax.make_array_from_process_local_data(self.batch_sharding, a) for a in host_batch)
+    )

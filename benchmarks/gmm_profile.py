@@ -32,7 +32,12 @@ def tile_counts(sizes: np.ndarray, block_m: int, block_k: int) -> dict:
   live = int(sum((e - 1) // block_m - s // block_m + 1 for s, e in zip(starts, ends) if e > s))
   slots = -(-M // block_m) + len(sizes) - 1
   masked = int(sum((s % block_k != 0) + (e % block_k != 0) for s, e in zip(starts, ends) if e > s))
-  return {"row_tile_slots": slots, "live_row_tiles": live, "dead_fraction": 1 - live / slots, "wgrad_masked_blocks_per_tile_column": masked}
+  return {
+    "row_tile_slots": slots,
+    "live_row_tiles": live,
+    "dead_fraction": 1 - live / slots,
+    "wgrad_masked_blocks_per_tile_column": masked,
+  }
 
 
 def per_kernel(fn, args, iters: int) -> list[dict]:
@@ -52,9 +57,13 @@ def main() -> int:
   ap.add_argument("--out", type=Path, required=True)
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--kernel-sets", default="", help="comma-separated Mosaic kernel sets (default: all)")
-  ap.add_argument("--quant", default="", help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8; "
-                  "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize, ws_wide); "
-                  "mxfp8:IMPL for an mxfp8_impl (emulated, block_scaled)")
+  ap.add_argument(
+    "--quant",
+    default="",
+    help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8; "
+    "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize, ws_wide); "
+    "mxfp8:IMPL for an mxfp8_impl (emulated, block_scaled)",
+  )
   ap.add_argument("--cases", default="4:balanced,32:balanced,32:skewed", help="comma-separated GROUPS:SIZES")
   args = ap.parse_args()
   cases = parse_cases(ap, args.cases)
@@ -71,11 +80,22 @@ def main() -> int:
     ap.error(f"--kernel-sets {','.join(unknown)}: choose from {', '.join(mosaic.KERNELS)}")
   args.out.mkdir(parents=True, exist_ok=True)
   results = {"machine": machine(), "rows_M": M, "cases": []}
-  lines = ["| shape | G | sizes | kernels | total ms | TFLOP/s | Mosaic kernels ms | other ms | kernels (ms) | dead row-tile slots |", "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| shape | G | sizes | kernels | total ms | TFLOP/s | Mosaic kernels ms | other ms | kernels (ms) | dead row-tile slots |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
     sizes_np, x, w, dy, sizes = jax_inputs(k, n, g, kind)
     tiles = mosaic.tiles_for("fwd", k, n)
-    case = {"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]), "runs": {}}
+    case = {
+      "shape": shape,
+      "k": k,
+      "n": n,
+      "groups": g,
+      "sizes": kind,
+      "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]),
+      "runs": {},
+    }
     variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in kernel_sets}
     variants.update({f"mosaic+{q}": quant.labelled_gmm(q, jax.devices()[0]) for q in args.quant.split(",") if q})
     for label, f in variants.items():
@@ -89,9 +109,16 @@ def main() -> int:
         kernels = per_kernel(run, (x, w, dy), args.iters)
         total = sum(r["ms"] for r in kernels)
         in_mosaic = sum(r["ms"] for r in kernels if "mosaic_gpu" in r["kernel"])
-        case["runs"][label] = {"kernels": kernels, "total_ms": total, "mosaic_ms": in_mosaic, "tflops": 6.0 * M * k * n / total / 1e9}
+        case["runs"][label] = {
+          "kernels": kernels,
+          "total_ms": total,
+          "mosaic_ms": in_mosaic,
+          "tflops": 6.0 * M * k * n / total / 1e9,
+        }
         summary = ", ".join(f"{r['kernel'][:40]} {r['ms']:.3f}" for r in kernels if r["ms"] > 0.01)
-        lines.append(f"| {shape} | {g} | {kind} | {label} | {total:.3f} | {case['runs'][label]['tflops']:.0f} | {in_mosaic:.3f} | {total - in_mosaic:.3f} | {summary} | {case['tiles']['dead_fraction']:.3f} |")
+        lines.append(
+          f"| {shape} | {g} | {kind} | {label} | {total:.3f} | {case['runs'][label]['tflops']:.0f} | {in_mosaic:.3f} | {total - in_mosaic:.3f} | {summary} | {case['tiles']['dead_fraction']:.3f} |"
+        )
       except Exception as e:
         case["runs"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       print(shape, g, kind, label, case["runs"][label], flush=True)

@@ -110,7 +110,9 @@ def jax_inputs(k: int, n: int, g: int, kind: str) -> tuple:
   return sizes_np, x, w, dy, jnp.asarray(sizes_np)
 
 
-def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ...] = (), fp8_tiles: tuple[str, ...] = ()) -> list[dict]:
+def jax_rows(
+  k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ...] = (), fp8_tiles: tuple[str, ...] = ()
+) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
@@ -124,7 +126,16 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ..
     for mode, fn, mult in (("fwd", fwd, 1), ("fwd+bwd", fwd_bwd, 3)):
       try:
         ms, timer = jax_time_ms(jax.jit(fn), args, iters)
-        rows.append({"backend": backend, "mode": mode, "ms": ms, "tflops": mult * flops / ms / 1e9, "timer": timer, **(extra or {})})
+        rows.append(
+          {
+            "backend": backend,
+            "mode": mode,
+            "ms": ms,
+            "tflops": mult * flops / ms / 1e9,
+            "timer": timer,
+            **(extra or {}),
+          }
+        )
       except Exception as e:
         rows.append({"backend": backend, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:200]}"})
       print(k, n, g, kind, rows[-1], flush=True)
@@ -147,7 +158,12 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ..
     for kernels in mosaic.KERNELS:
       if kernels != mosaic.DEFAULT_KERNELS:
         f = mosaic.make_gmm(kernels)
-        add(f"mosaic:{kernels}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
+        add(
+          f"mosaic:{kernels}",
+          lambda x, w, dy, f=f: f(x, w, sizes),
+          grad_fn(lambda x, w, f=f: f(x, w, sizes)),
+          (x, w, dy),
+        )
     # --quant: the quantised expert GEMMs (MaxText/quant/), quantisation passes included in the time.
     from MaxText.quant import labelled_gmm
 
@@ -157,9 +173,16 @@ def jax_rows(k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ..
     from MaxText.quant import fp8_blockwise
 
     for tiles in fp8_tiles:  # MxNxSTAGESxGRIDN; suffix "ws": warp-specialized, "wsb": and the weights' block scales
-      options = {"ws": {"warp_specialized": True}, "wsb": {"warp_specialized": True, "b_block_scales": True}}.get(tiles.lstrip("0123456789x"), {})
+      options = {"ws": {"warp_specialized": True}, "wsb": {"warp_specialized": True, "b_block_scales": True}}.get(
+        tiles.lstrip("0123456789x"), {}
+      )
       f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(*map(int, tiles.rstrip("wsb").split("x")), **options))
-      add(f"mosaic+fp8_blockwise[{tiles}]", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
+      add(
+        f"mosaic+fp8_blockwise[{tiles}]",
+        lambda x, w, dy, f=f: f(x, w, sizes),
+        grad_fn(lambda x, w, f=f: f(x, w, sizes)),
+        (x, w, dy),
+      )
 
   # Fixed capacity: every group padded to the largest group (rounded to 128 rows).
   cap = int(-(-sizes_np.max() // 128) * 128)
@@ -205,8 +228,24 @@ def torch_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
       torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(dy)
 
     both_ms = torch_time_ms(fwd_bwd, iters)
-    rows.append({"backend": "torch._grouped_mm", "mode": "fwd", "ms": fwd_ms, "tflops": flops / fwd_ms / 1e9, "timer": "cuda_events"})
-    rows.append({"backend": "torch._grouped_mm", "mode": "fwd+bwd", "ms": both_ms, "tflops": 3 * flops / both_ms / 1e9, "timer": "cuda_events"})
+    rows.append(
+      {
+        "backend": "torch._grouped_mm",
+        "mode": "fwd",
+        "ms": fwd_ms,
+        "tflops": flops / fwd_ms / 1e9,
+        "timer": "cuda_events",
+      }
+    )
+    rows.append(
+      {
+        "backend": "torch._grouped_mm",
+        "mode": "fwd+bwd",
+        "ms": both_ms,
+        "tflops": 3 * flops / both_ms / 1e9,
+        "timer": "cuda_events",
+      }
+    )
   except Exception as e:
     rows.append({"backend": "torch._grouped_mm", "mode": "fwd", "error": f"{type(e).__name__}: {str(e)[:200]}"})
   for r in rows:
@@ -232,7 +271,9 @@ def tune(out_dir: Path, iters: int, kernels: str, groups: int) -> dict:
   wgrad_space = [(128, 128, bk, st, gb) for bk, st, gb in itertools.product((64, 128), (2, 3, 4), (1, 4, 8))]
   if kernels in mosaic.WARP_SPECIALIZED:  # two consumer warpgroups share each tile: fewer, larger stages fit
     fwd_space = [(128, 128, 64, st, gb) for st, gb in itertools.product((2, 3), (2, 4, 8, 16))]
-    wgrad_space = [(bm, bn, 64, st, gb) for (bm, bn), st, gb in itertools.product(((128, 128), (64, 256)), (2, 3), (1, 4, 8))]
+    wgrad_space = [
+      (bm, bn, 64, st, gb) for (bm, bn), st, gb in itertools.product(((128, 128), (64, 256)), (2, 3), (1, 4, 8))
+    ]
   table = json.loads(mosaic.TILES_FILE.read_text()) if mosaic.TILES_FILE.exists() else {"tiles": {}}
   measured = table.setdefault("tflops_by_tiles", {})
   for (k, n), kernel in itertools.product(SHAPES.values(), ("fwd", "dgrad", "wgrad")):
@@ -282,9 +323,16 @@ def machine() -> dict:
   import jax
   import jaxlib
 
-  info = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d")}
+  info = {
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "device": jax.devices()[0].device_kind,
+    "date": time.strftime("%Y-%m-%d"),
+  }
   try:
-    info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    info["gpu"] = subprocess.run(
+      ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.strip()
   except OSError:
     info["gpu"] = None
   try:
@@ -302,18 +350,20 @@ def markdown(results: dict) -> str:
   others = ("torch._grouped_mm", "dense", "xla")
   ratio_names = [f"{lead}/{o.split('.')[-1]}" for lead in leads for o in others]
   lines = [
-      f"# Grouped GEMM, M={M} rows, bf16 ({m['gpu']}; jax {m['jax']}, torch {m.get('torch')}, {m['date']})",
-      "",
-      "TFLOP/s of useful work (padding counts as lost time). Ratios: each mosaic row over the named row.",
-      "",
-      "| shape | G | sizes | mode | " + " | ".join(results["backends"] + ratio_names) + " |",
-      "|---" * (4 + len(results["backends"]) + len(ratio_names)) + "|",
+    f"# Grouped GEMM, M={M} rows, bf16 ({m['gpu']}; jax {m['jax']}, torch {m.get('torch')}, {m['date']})",
+    "",
+    "TFLOP/s of useful work (padding counts as lost time). Ratios: each mosaic row over the named row.",
+    "",
+    "| shape | G | sizes | mode | " + " | ".join(results["backends"] + ratio_names) + " |",
+    "|---" * (4 + len(results["backends"]) + len(ratio_names)) + "|",
   ]
   for case in results["cases"]:
     for mode in ("fwd", "fwd+bwd"):
       by = {r["backend"]: r for r in case["rows"] if r["mode"] == mode}
       cells = [f"{by[b]['tflops']:.0f}" if "tflops" in by.get(b, {}) else "-" for b in results["backends"]]
-      ratio = lambda a, b: f"{by[a]['tflops'] / by[b]['tflops']:.2f}" if "tflops" in by.get(a, {}) and "tflops" in by.get(b, {}) else "-"  # noqa: E731
+      ratio = lambda a, b: (
+        f"{by[a]['tflops'] / by[b]['tflops']:.2f}" if "tflops" in by.get(a, {}) and "tflops" in by.get(b, {}) else "-"
+      )  # noqa: E731
       cells += [ratio(lead, o) for lead in leads for o in others]
       lines.append(f"| {case['shape']} | {case['groups']} | {case['sizes']} | {mode} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
@@ -324,7 +374,13 @@ def quant_summary(results: dict) -> str:
   quant = [b for b in results["backends"] if b.startswith("mosaic+")]
   if not quant:
     return ""
-  lines = ["", "Quantised over bf16 `mosaic`, speed-up (TFLOP/s ratio):", "", "| shape | G | sizes | mode | " + " | ".join(quant) + " |", "|---" * (4 + len(quant)) + "|"]
+  lines = [
+    "",
+    "Quantised over bf16 `mosaic`, speed-up (TFLOP/s ratio):",
+    "",
+    "| shape | G | sizes | mode | " + " | ".join(quant) + " |",
+    "|---" * (4 + len(quant)) + "|",
+  ]
   for case in results["cases"]:
     for mode in ("fwd", "fwd+bwd"):
       by = {r["backend"]: r.get("tflops") for r in case["rows"] if r["mode"] == mode}
@@ -365,15 +421,27 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path)
   ap.add_argument("--tune", action="store_true")
-  ap.add_argument("--tune-groups", type=int, default=8, help="group count the tiles are tuned at (stored as a :g<N> regime)")
+  ap.add_argument(
+    "--tune-groups", type=int, default=8, help="group count the tiles are tuned at (stored as a :g<N> regime)"
+  )
   ap.add_argument("--tune-kernels", default=None, help="Mosaic kernel set to tune (default: the backend's default)")
   ap.add_argument("--tune-only", action="store_true", help="tune, write the table, skip the benchmark")
   ap.add_argument("--quick", action="store_true", help="G=8 balanced and G=32 skewed only")
-  ap.add_argument("--cases", default="", help="cases to run instead, comma-separated GROUPS:SIZES, e.g. 32:balanced,8:balanced")
+  ap.add_argument(
+    "--cases", default="", help="cases to run instead, comma-separated GROUPS:SIZES, e.g. 32:balanced,8:balanced"
+  )
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--plot", type=Path)
-  ap.add_argument("--quant", default="", help="comma-separated quantizations to add as mosaic+<q> rows: fp8_blockwise, fp8_blockwise:VARIANT (a Mosaic kernel variant), mxfp8, mxfp8:IMPL (an mxfp8_impl)")
-  ap.add_argument("--fp8-tiles", default="", help="extra fp8_blockwise kernel tiles to time, comma-separated MxNxSTAGESxGRIDN[ws|wsb], e.g. 64x128x6x4,128x128x4x4ws,128x128x4x4wsb (ws: warp-specialized; wsb: and one weight scale per tile and K step)")
+  ap.add_argument(
+    "--quant",
+    default="",
+    help="comma-separated quantizations to add as mosaic+<q> rows: fp8_blockwise, fp8_blockwise:VARIANT (a Mosaic kernel variant), mxfp8, mxfp8:IMPL (an mxfp8_impl)",
+  )
+  ap.add_argument(
+    "--fp8-tiles",
+    default="",
+    help="extra fp8_blockwise kernel tiles to time, comma-separated MxNxSTAGESxGRIDN[ws|wsb], e.g. 64x128x6x4,128x128x4x4ws,128x128x4x4wsb (ws: warp-specialized; wsb: and one weight scale per tile and K step)",
+  )
   args = ap.parse_args()
   if args.plot:
     print(plot(args.plot))
@@ -386,7 +454,9 @@ def main() -> int:
   if bad := [q for q in args.quant.split(",") if q and q not in quant_registry.labels()]:
     ap.error(f"--quant {','.join(bad)}: choose from {', '.join(quant_registry.labels())}")
   if bad := [t for t in args.fp8_tiles.split(",") if t and not re.fullmatch(r"\d+x\d+x\d+x\d+(ws|wsb)?", t)]:
-    ap.error(f"--fp8-tiles {','.join(bad)}: each is MxNxSTAGESxGRIDN with an optional ws or wsb suffix, e.g. 128x128x4x4ws")
+    ap.error(
+      f"--fp8-tiles {','.join(bad)}: each is MxNxSTAGESxGRIDN with an optional ws or wsb suffix, e.g. 128x128x4x4ws"
+    )
   args.out.mkdir(parents=True, exist_ok=True)
   results = {"machine": machine(), "rows_M": M}
   if args.tune:

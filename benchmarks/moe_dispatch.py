@@ -118,8 +118,15 @@ def transport_rows(shape: dict, tokens: int, kind: str, iters: int, ceiling) -> 
   rows = []
   for backend in BACKENDS:
     for dedup in (False, True):
-      row = {"backend": backend, "dedup": dedup, "tokens_per_gpu": tokens, "routing": kind, "ranks": ranks,
-             "duplicate_fraction_remote": dup_remote, "duplicate_fraction_all": dup_all}
+      row = {
+        "backend": backend,
+        "dedup": dedup,
+        "tokens_per_gpu": tokens,
+        "routing": kind,
+        "ranks": ranks,
+        "duplicate_fraction_remote": dup_remote,
+        "duplicate_fraction_all": dup_all,
+      }
       rows.append(row)
       problem = ep.unavailable(backend)
       if problem or (backend == "ragged_a2a" and devices[0].platform == "cpu"):
@@ -128,7 +135,9 @@ def transport_rows(shape: dict, tokens: int, kind: str, iters: int, ceiling) -> 
         break
       try:
         row.update(_one_backend(backend, dedup, ranks, e, k, tokens, mesh, x, ids, w, want, row_bytes, iters, ceiling))
-      except Exception as err:  # one backend failing (e.g. out of memory at worst-case buffers) must not hide the others
+      except (
+        Exception
+      ) as err:  # one backend failing (e.g. out of memory at worst-case buffers) must not hide the others
         row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
       print(row, flush=True)
   return rows
@@ -173,13 +182,19 @@ def _one_backend(backend, dedup, ranks, e, k, tokens, mesh, x, ids, w, want, row
   out_b, back_b = wire_bytes(backend, plan, received, row_bytes)
   payload = float(np.mean(np.asarray(received.sent_bytes)))
   nodedup = float(np.mean(np.asarray(received.sent_bytes_nodedup)))
-  result.update({
-      "dispatch_ms": dispatch_ms, "combine_ms": combine_ms,
-      "dispatch_bytes_per_gpu": out_b, "combine_bytes_per_gpu": back_b,
-      "payload_bytes_per_gpu": payload, "payload_bytes_per_gpu_without_dedup": nodedup,
+  result.update(
+    {
+      "dispatch_ms": dispatch_ms,
+      "combine_ms": combine_ms,
+      "dispatch_bytes_per_gpu": out_b,
+      "combine_bytes_per_gpu": back_b,
+      "payload_bytes_per_gpu": payload,
+      "payload_bytes_per_gpu_without_dedup": nodedup,
       "dedup_byte_reduction": 1 - payload / nodedup if nodedup else 0.0,
-      "dispatch_GBps": out_b / dispatch_ms / 1e6, "combine_GBps": back_b / combine_ms / 1e6,
-  })
+      "dispatch_GBps": out_b / dispatch_ms / 1e6,
+      "combine_GBps": back_b / combine_ms / 1e6,
+    }
+  )
   for what, nbytes in (("dispatch", out_b), ("combine", back_b)):
     ceil_ms = ceiling(nbytes)
     result[f"{what}_ceiling_GBps"] = nbytes / ceil_ms / 1e6 if ceil_ms else None
@@ -196,7 +211,14 @@ def make_ceiling(iters: int, row_bytes: int, dtype):
   devices = jax.devices()
   ranks = len(devices)
   mesh = Mesh(np.asarray(devices), ("expert",))
-  fn = jax.jit(jax.shard_map(lambda a: jax.lax.all_to_all(a, "expert", 1, 1, tiled=True), mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+  fn = jax.jit(
+    jax.shard_map(
+      lambda a: jax.lax.all_to_all(a, "expert", 1, 1, tiled=True),
+      mesh=mesh,
+      in_specs=P("expert"),
+      out_specs=P("expert"),
+    )
+  )
   cache = {}
 
   def ceiling(nbytes: float) -> float | None:
@@ -204,7 +226,10 @@ def make_ceiling(iters: int, row_bytes: int, dtype):
       return None
     per_peer = max(1, int(np.ceil(nbytes / (ranks - 1) / row_bytes)))
     if per_peer not in cache:
-      a = jax.device_put(jnp.zeros((ranks, ranks * per_peer, row_bytes // jnp.dtype(dtype).itemsize), dtype), NamedSharding(mesh, P("expert")))
+      a = jax.device_put(
+        jnp.zeros((ranks, ranks * per_peer, row_bytes // jnp.dtype(dtype).itemsize), dtype),
+        NamedSharding(mesh, P("expert")),
+      )
       cache[per_peer] = time_ms(fn, (a,), iters) * nbytes / ((ranks - 1) * per_peer * row_bytes)
       del a
     return cache[per_peer]
@@ -229,7 +254,14 @@ def layer_rows(shape: dict, tokens: int, iters: int, gmm: str) -> list[dict]:
   rows = []
   for backend in ("sort", *BACKENDS):
     for dedup in (False, True):
-      row = {"backend": backend, "dedup": dedup, "tokens_per_gpu": tokens, "gmm": backend_gmm, "gmm_why": why, "ranks": len(devices)}
+      row = {
+        "backend": backend,
+        "dedup": dedup,
+        "tokens_per_gpu": tokens,
+        "gmm": backend_gmm,
+        "gmm_why": why,
+        "ranks": len(devices),
+      }
       rows.append(row)
       if backend == "sort" and len(devices) > 1:
         row["skipped"] = "the single-device path (EP=1 only)"
@@ -241,18 +273,37 @@ def layer_rows(shape: dict, tokens: int, iters: int, gmm: str) -> list[dict]:
         row["skipped"] = problem or "XLA:CPU has no ragged all-to-all"
         break
       try:
-        cfg = load_config(REPO / "recipes" / "deepseek_v3_tiny.yml", [
-            f"base_emb_dim={shape['hidden']}", f"num_experts={shape['experts']}", f"num_experts_per_tok={shape['k']}",
-            f"base_moe_mlp_dim={shape['moe_mlp']}", "shared_experts=1", f"moe_dispatch={backend}", f"moe_dedup={str(dedup).lower()}",
-            f"moe_ep_buffer_factor={BUFFER_FACTOR}", f"moe_gmm_backend={backend_gmm}", f"dtype={shape['dtype']}",
-            "n_routing_groups=8" if shape["experts"] % 8 == 0 else "n_routing_groups=1", "topk_routing_group=4" if shape["experts"] % 8 == 0 else "topk_routing_group=1",
-            "ici_fsdp_parallelism=1", "ici_expert_parallelism=-1", "load_balance_loss_weight=0"])
+        cfg = load_config(
+          REPO / "recipes" / "deepseek_v3_tiny.yml",
+          [
+            f"base_emb_dim={shape['hidden']}",
+            f"num_experts={shape['experts']}",
+            f"num_experts_per_tok={shape['k']}",
+            f"base_moe_mlp_dim={shape['moe_mlp']}",
+            "shared_experts=1",
+            f"moe_dispatch={backend}",
+            f"moe_dedup={str(dedup).lower()}",
+            f"moe_ep_buffer_factor={BUFFER_FACTOR}",
+            f"moe_gmm_backend={backend_gmm}",
+            f"dtype={shape['dtype']}",
+            "n_routing_groups=8" if shape["experts"] % 8 == 0 else "n_routing_groups=1",
+            "topk_routing_group=4" if shape["experts"] % 8 == 0 else "topk_routing_group=1",
+            "ici_fsdp_parallelism=1",
+            "ici_expert_parallelism=-1",
+            "load_balance_loss_weight=0",
+          ],
+        )
         mesh = make_mesh(cfg.mesh)
         shard = Sharder(mesh)
         specs = moe_specs(shape["hidden"], cfg.moe)
         dtype = jnp.dtype(shape["dtype"])
-        p = jax.jit(lambda: params.initialize(specs, jax.random.key(0), dtype, 0.02), out_shardings=param_shardings(specs, mesh))()
-        x = jax.device_put(jax.random.normal(jax.random.key(1), (len(devices), tokens, shape["hidden"]), dtype), shard.named(("batch", "seq", "act_embed")))
+        p = jax.jit(
+          lambda: params.initialize(specs, jax.random.key(0), dtype, 0.02), out_shardings=param_shardings(specs, mesh)
+        )()
+        x = jax.device_put(
+          jax.random.normal(jax.random.key(1), (len(devices), tokens, shape["hidden"]), dtype),
+          shard.named(("batch", "seq", "act_embed")),
+        )
         bias = jnp.zeros((shape["experts"],), jnp.float32)
 
         def loss(p, x):
@@ -261,7 +312,13 @@ def layer_rows(shape: dict, tokens: int, iters: int, gmm: str) -> list[dict]:
 
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         (value, overflow), _ = step(p, x)
-        row.update({"fwd_bwd_ms": time_ms(step, (p, x), iters), "loss_finite": bool(np.isfinite(float(value))), "overflow": int(overflow)})
+        row.update(
+          {
+            "fwd_bwd_ms": time_ms(step, (p, x), iters),
+            "loss_finite": bool(np.isfinite(float(value))),
+            "overflow": int(overflow),
+          }
+        )
         del p, x
       except Exception as err:
         row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -273,8 +330,17 @@ def machine() -> dict:
   import jax
   import jaxlib
 
-  info = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "date": time.strftime("%Y-%m-%d")}
-  for key, cmd in (("gpu", ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]), ("topology", ["nvidia-smi", "topo", "-m"])):
+  info = {
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "device": jax.devices()[0].device_kind,
+    "devices": jax.device_count(),
+    "date": time.strftime("%Y-%m-%d"),
+  }
+  for key, cmd in (
+    ("gpu", ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
+    ("topology", ["nvidia-smi", "topo", "-m"]),
+  ):
     try:
       info[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
     except (OSError, subprocess.SubprocessError) as e:
@@ -286,24 +352,39 @@ def markdown(results: dict) -> str:
   m = results["machine"]
   fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
   why = lambda r: str(r.get("skipped") or r.get("error")).replace("|", "/")  # noqa: E731  (a '|' would split the cell)
-  lines = [f"# Expert-parallel dispatch/combine, EP={m['devices']} ({m['device']}; jax {m['jax']}, {m['date']})", "",
-           f"hidden {results['shape']['hidden']} {results['shape']['dtype']}, {results['shape']['experts']} experts, top-{results['shape']['k']}, "
-           f"moe_ep_buffer_factor={results['buffer_factor']}. Bytes per GPU sent to other GPUs; GB/s = wire bytes / median time; "
-           "'of ceiling' = a plain all_to_all of the same bytes / this.", "",
-           "| tokens/GPU | routing | backend | dedup | check | dispatch ms | combine ms | dispatch MB | combine MB | payload MB | dedup saves | dup fraction | dispatch GB/s (of ceiling) | combine GB/s (of ceiling) |",
-           "|---" * 15 + "|"]
+  lines = [
+    f"# Expert-parallel dispatch/combine, EP={m['devices']} ({m['device']}; jax {m['jax']}, {m['date']})",
+    "",
+    f"hidden {results['shape']['hidden']} {results['shape']['dtype']}, {results['shape']['experts']} experts, top-{results['shape']['k']}, "
+    f"moe_ep_buffer_factor={results['buffer_factor']}. Bytes per GPU sent to other GPUs; GB/s = wire bytes / median time; "
+    "'of ceiling' = a plain all_to_all of the same bytes / this.",
+    "",
+    "| tokens/GPU | routing | backend | dedup | check | dispatch ms | combine ms | dispatch MB | combine MB | payload MB | dedup saves | dup fraction | dispatch GB/s (of ceiling) | combine GB/s (of ceiling) |",
+    "|---" * 15 + "|",
+  ]
   for r in results["transport"]:
     if "dispatch_ms" not in r:
-      lines.append(f"| {r['tokens_per_gpu']} | {r['routing']} | {r['backend']} | {r['dedup']} | {why(r)} |" + " - |" * 10)
+      lines.append(
+        f"| {r['tokens_per_gpu']} | {r['routing']} | {r['backend']} | {r['dedup']} | {why(r)} |" + " - |" * 10
+      )
       continue
     lines.append(
-        f"| {r['tokens_per_gpu']} | {r['routing']} | {r['backend']} | {r['dedup']} | {r['check']} | {r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} | "
-        f"{r['dispatch_bytes_per_gpu'] / 1e6:.1f} | {r['combine_bytes_per_gpu'] / 1e6:.1f} | {r['payload_bytes_per_gpu'] / 1e6:.1f} | "
-        f"{100 * r['dedup_byte_reduction']:.1f}% | {100 * r['duplicate_fraction_remote']:.1f}% | "
-        f"{r['dispatch_GBps']:.1f} ({fmt(r['dispatch_of_ceiling'])}) | {r['combine_GBps']:.1f} ({fmt(r['combine_of_ceiling'])}) |")
-  lines += ["", "## Whole MoE layer, forward+backward", "", "| tokens/GPU | backend | dedup | gmm | ms | overflow |", "|---" * 6 + "|"]
+      f"| {r['tokens_per_gpu']} | {r['routing']} | {r['backend']} | {r['dedup']} | {r['check']} | {r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} | "
+      f"{r['dispatch_bytes_per_gpu'] / 1e6:.1f} | {r['combine_bytes_per_gpu'] / 1e6:.1f} | {r['payload_bytes_per_gpu'] / 1e6:.1f} | "
+      f"{100 * r['dedup_byte_reduction']:.1f}% | {100 * r['duplicate_fraction_remote']:.1f}% | "
+      f"{r['dispatch_GBps']:.1f} ({fmt(r['dispatch_of_ceiling'])}) | {r['combine_GBps']:.1f} ({fmt(r['combine_of_ceiling'])}) |"
+    )
+  lines += [
+    "",
+    "## Whole MoE layer, forward+backward",
+    "",
+    "| tokens/GPU | backend | dedup | gmm | ms | overflow |",
+    "|---" * 6 + "|",
+  ]
   for r in results["layer"]:
-    lines.append(f"| {r['tokens_per_gpu']} | {r['backend']} | {r['dedup']} | {r['gmm']} | {fmt(r.get('fwd_bwd_ms'), '{:.2f}') if 'fwd_bwd_ms' in r else why(r)} | {r.get('overflow', '-')} |")
+    lines.append(
+      f"| {r['tokens_per_gpu']} | {r['backend']} | {r['dedup']} | {r['gmm']} | {fmt(r.get('fwd_bwd_ms'), '{:.2f}') if 'fwd_bwd_ms' in r else why(r)} | {r.get('overflow', '-')} |"
+    )
   lines += ["", "## GPU topology (nvidia-smi topo -m)", "", "```", str(m.get("topology")), "```"]
   return "\n".join(lines) + "\n"
 
@@ -315,11 +396,15 @@ def main(argv=None) -> int:
   global BUFFER_FACTOR
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True)
-  ap.add_argument("--cpu-dry-run", action="store_true", help="8 host CPU devices, tiny shapes, float32; skips ragged_a2a")
+  ap.add_argument(
+    "--cpu-dry-run", action="store_true", help="8 host CPU devices, tiny shapes, float32; skips ragged_a2a"
+  )
   ap.add_argument("--tokens", default=None, help="tokens per GPU, comma-separated (default 4096,8192)")
   ap.add_argument("--routings", default="balanced,skewed")
   ap.add_argument("--iters", type=int, default=None)
-  ap.add_argument("--buffer-factor", type=float, default=-1.0, help="moe_ep_buffer_factor for every backend (-1: worst case)")
+  ap.add_argument(
+    "--buffer-factor", type=float, default=-1.0, help="moe_ep_buffer_factor for every backend (-1: worst case)"
+  )
   ap.add_argument("--gmm", default="auto", help="moe_gmm_backend of the layer rows")
   ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer forward+backward rows")
   args = ap.parse_args(argv)
@@ -333,7 +418,13 @@ def main(argv=None) -> int:
   if args.tokens:
     shape["tokens"] = tuple(int(t) for t in args.tokens.split(","))
   iters = args.iters or (2 if args.cpu_dry_run else 20)
-  results = {"machine": machine(), "shape": {k: v for k, v in shape.items() if k != "tokens"}, "buffer_factor": BUFFER_FACTOR, "transport": [], "layer": []}
+  results = {
+    "machine": machine(),
+    "shape": {k: v for k, v in shape.items() if k != "tokens"},
+    "buffer_factor": BUFFER_FACTOR,
+    "transport": [],
+    "layer": [],
+  }
   dtype = jnp.dtype(shape["dtype"])
   ceiling = make_ceiling(iters, shape["hidden"] * dtype.itemsize, dtype)
   for tokens in shape["tokens"]:
@@ -345,7 +436,9 @@ def main(argv=None) -> int:
   (args.out / "moe_dispatch.json").write_text(json.dumps(results, indent=1))
   (args.out / "moe_dispatch.md").write_text(markdown(results))
   print(markdown(results))
-  failed = [r for r in results["transport"] if str(r.get("check", "ok")) != "ok" or "error" in r] + [r for r in results["layer"] if "error" in r]
+  failed = [r for r in results["transport"] if str(r.get("check", "ok")) != "ok" or "error" in r] + [
+    r for r in results["layer"] if "error" in r
+  ]
   return 1 if failed else 0
 
 

@@ -66,12 +66,22 @@ SMALL = dict(hidden=64, mlp=32, experts=8, tokens=64, k=2, groups=4, topk_groups
 def make_config(shape: dict, backend: str, pad: int):
   """`backend`: a moe_gmm_backend, or mosaic:<moe_mosaic_kernels> (e.g. mosaic:ours_ws)."""
   name, _, kernels = backend.partition(":")
-  return load_config(None, [
-      f"num_experts={shape['experts']}", f"num_experts_per_tok={shape['k']}", f"base_moe_mlp_dim={shape['mlp']}",
-      "shared_experts=1", "routed_scaling_factor=2.5", f"n_routing_groups={shape['groups']}",
-      f"topk_routing_group={shape['topk_groups']}", f"moe_gmm_backend={name}", f"moe_group_pad_multiple={pad}",
-      "dtype=bfloat16", *([f"moe_mosaic_kernels={kernels}"] if kernels else []),
-  ]).moe
+  return load_config(
+    None,
+    [
+      f"num_experts={shape['experts']}",
+      f"num_experts_per_tok={shape['k']}",
+      f"base_moe_mlp_dim={shape['mlp']}",
+      "shared_experts=1",
+      "routed_scaling_factor=2.5",
+      f"n_routing_groups={shape['groups']}",
+      f"topk_routing_group={shape['topk_groups']}",
+      f"moe_gmm_backend={name}",
+      f"moe_group_pad_multiple={pad}",
+      "dtype=bfloat16",
+      *([f"moe_mosaic_kernels={kernels}"] if kernels else []),
+    ],
+  ).moe
 
 
 def inputs(shape: dict, cfg, tokens: int, dtype=jnp.bfloat16, seed=0):
@@ -122,12 +132,27 @@ def check(shape: dict, backend: str, pads: list[int], tokens: int) -> list[dict]
   results = []
   for pad in pads:
     poison_freed_memory(sum(a.nbytes for a in jax.tree.leaves(want)) * 2)
-    got = jax.tree.map(np.asarray, jax.jit(layer_fns(dataclasses.replace(cfg, moe_group_pad_multiple=pad))[1])(p, x, bias, cot))
+    got = jax.tree.map(
+      np.asarray, jax.jit(layer_fns(dataclasses.replace(cfg, moe_group_pad_multiple=pad))[1])(p, x, bias, cot)
+    )
     errors = {n: rel(g.astype(np.float32), w) for n, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want))}
     finite = all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(got))
     ok = finite and max(errors.values()) < BOUND
-    print(f"check {backend} pad={pad} tokens={tokens}: {'ok' if ok else 'FAILED'} max rel error {max(errors.values()):.2e}", flush=True)
-    results.append({"backend": backend, "pad": pad, "tokens": tokens, "finite": finite, "rel_errors": errors, "bound": BOUND, "ok": ok})
+    print(
+      f"check {backend} pad={pad} tokens={tokens}: {'ok' if ok else 'FAILED'} max rel error {max(errors.values()):.2e}",
+      flush=True,
+    )
+    results.append(
+      {
+        "backend": backend,
+        "pad": pad,
+        "tokens": tokens,
+        "finite": finite,
+        "rel_errors": errors,
+        "bound": BOUND,
+        "ok": ok,
+      }
+    )
   return results
 
 
@@ -178,7 +203,9 @@ def trace_breakdown(compiled, args, iters: int) -> dict:
     for key, ms in totals.items():
       per_op[key].append(ms)
   top = sorted(((stage, op, statistics.median(v)) for (stage, op), v in per_op.items()), key=lambda t: -t[2])
-  out["top_ops"] = {stage: [[op, round(ms, 4)] for st, op, ms in top if st == stage][:8] for stage in (*STAGES, "other")}
+  out["top_ops"] = {
+    stage: [[op, round(ms, 4)] for st, op, ms in top if st == stage][:8] for stage in (*STAGES, "other")
+  }
   out["runs_found"] = len(runs)
   out["plane"] = plane
   out["other_ops"] = sorted(unmatched)[:20]
@@ -209,16 +236,18 @@ def stage_fns(cfg, p, x, bias) -> dict:
     return run
 
   route = lambda tokens, gate: router.route(tokens, gate, bias, cfg).weights  # noqa: E731
-  plan_and_permute = lambda tokens, ids: permute.permute(tokens, permute.plan(ids, cfg.num_experts, cfg.moe_group_pad_multiple))  # noqa: E731
+  plan_and_permute = lambda tokens, ids: permute.permute(
+    tokens, permute.plan(ids, cfg.num_experts, cfg.moe_group_pad_multiple)
+  )  # noqa: E731
   experts_fn = lambda rows, w, sizes: routed_experts(w, rows, sizes, gmm)  # noqa: E731
   combine = lambda y, weights, plan: permute.unpermute(y, weights, plan)  # noqa: E731
   shared = lambda x, w: mlp(w, x, Sharder())  # noqa: E731
   return {
-      "router": (route, with_grad(route, 2), (tokens, p["gate"])),
-      "permute": (plan_and_permute, with_grad(plan_and_permute, 1), (tokens, r.expert_ids)),
-      "gmm": (experts_fn, with_grad(experts_fn, 2), (rows, experts, plan.group_sizes)),
-      "combine": (combine, with_grad(combine, 2), (y, r.weights, plan)),
-      "shared_experts": (shared, with_grad(shared, 2), (x, p["shared"])),
+    "router": (route, with_grad(route, 2), (tokens, p["gate"])),
+    "permute": (plan_and_permute, with_grad(plan_and_permute, 1), (tokens, r.expert_ids)),
+    "gmm": (experts_fn, with_grad(experts_fn, 2), (rows, experts, plan.group_sizes)),
+    "combine": (combine, with_grad(combine, 2), (y, r.weights, plan)),
+    "shared_experts": (shared, with_grad(shared, 2), (x, p["shared"])),
   }
 
 
@@ -231,7 +260,14 @@ def measure_trace(shape: dict, backend: str, pad: int, iters: int) -> dict:
     t = trace_breakdown(jax.jit(fn).lower(*args).compile(), args, iters)
     t["layer_over_gmm"] = t["total"] / t["gmm"] if t["gmm"] else None
     result["trace"][mode] = t
-    print(backend, pad, mode, "trace", {k: round(v, 3) if isinstance(v, float) else v for k, v in t.items() if k != "other_ops"}, flush=True)
+    print(
+      backend,
+      pad,
+      mode,
+      "trace",
+      {k: round(v, 3) if isinstance(v, float) else v for k, v in t.items() if k != "other_ops"},
+      flush=True,
+    )
   return result
 
 
@@ -255,9 +291,20 @@ def measure_stages(shape: dict, backend: str, pad: int, iters: int) -> dict:
 def machine() -> dict:
   import jaxlib
 
-  info = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "date": time.strftime("%Y-%m-%d")}
+  info = {
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "device": jax.devices()[0].device_kind,
+    "platform": jax.devices()[0].platform,
+    "date": time.strftime("%Y-%m-%d"),
+  }
   try:
-    info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() or None
+    info["gpu"] = (
+      subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
+      ).stdout.strip()
+      or None
+    )
   except OSError:
     info["gpu"] = None
   return info
@@ -266,20 +313,29 @@ def machine() -> dict:
 def markdown(results: dict) -> str:
   m, s = results["machine"], results["shape"]
   lines = [
-      f"# One MoE layer, {s['tokens']} tokens, hidden {s['hidden']}, expert MLP {s['mlp']}, {s['experts']} experts top-{s['k']}, 1 shared ({m.get('gpu') or m['device']}; jax {m['jax']}, {m['date']})",
-      "",
-      "Device time per step in ms, median over iterations, by named scope (from a profiler trace of the whole jitted layer).",
-      "",
-      "| backend | pad | mode | router | permute | gmm | combine | shared_experts | other | layer | layer / gmm | target 1.25 |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    f"# One MoE layer, {s['tokens']} tokens, hidden {s['hidden']}, expert MLP {s['mlp']}, {s['experts']} experts top-{s['k']}, 1 shared ({m.get('gpu') or m['device']}; jax {m['jax']}, {m['date']})",
+    "",
+    "Device time per step in ms, median over iterations, by named scope (from a profiler trace of the whole jitted layer).",
+    "",
+    "| backend | pad | mode | router | permute | gmm | combine | shared_experts | other | layer | layer / gmm | target 1.25 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for run in results["runs"]:
     for mode, t in run.get("trace", {}).items():
       ratio = t["layer_over_gmm"]
-      lines.append(f"| {run['backend']} | {run['pad']} | {mode} | " + " | ".join(f"{t[k]:.3f}" for k in STAGES) + f" | {t['other'] + t['unattributed']:.3f} | {t['total']:.3f}"
-                   + f" | {ratio:.3f} | {'met' if ratio and ratio <= 1.25 else 'not met'} |")
-  lines += ["", "Each stage as its own jitted function on the same inputs (ms; fwd / fwd+bwd):", "",
-            "| backend | pad | " + " | ".join((*STAGES, "layer")) + " | timer |", "|---" * (len(STAGES) + 4) + "|"]
+      lines.append(
+        f"| {run['backend']} | {run['pad']} | {mode} | "
+        + " | ".join(f"{t[k]:.3f}" for k in STAGES)
+        + f" | {t['other'] + t['unattributed']:.3f} | {t['total']:.3f}"
+        + f" | {ratio:.3f} | {'met' if ratio and ratio <= 1.25 else 'not met'} |"
+      )
+  lines += [
+    "",
+    "Each stage as its own jitted function on the same inputs (ms; fwd / fwd+bwd):",
+    "",
+    "| backend | pad | " + " | ".join((*STAGES, "layer")) + " | timer |",
+    "|---" * (len(STAGES) + 4) + "|",
+  ]
   for run in results["runs"]:
     if "stages" not in run and "error" not in run:
       lines.append(f"| {run['backend']} | {run['pad']} | skipped (--no-stages) |")
@@ -288,10 +344,16 @@ def markdown(results: dict) -> str:
     if "error" in st or "error" in run:
       lines.append(f"| {run['backend']} | {run['pad']} | failed: {st.get('error') or run.get('error')} |")
       continue
-    lines.append(f"| {run['backend']} | {run['pad']} | " + " | ".join(f"{st[k]['fwd']:.3f} / {st[k]['fwd+bwd']:.3f}" for k in (*STAGES, "layer")) + f" | {st['layer']['timer']} |")
+    lines.append(
+      f"| {run['backend']} | {run['pad']} | "
+      + " | ".join(f"{st[k]['fwd']:.3f} / {st[k]['fwd+bwd']:.3f}" for k in (*STAGES, "layer"))
+      + f" | {st['layer']['timer']} |"
+    )
   lines += ["", "Correctness against float32 (max relative Frobenius error over output and gradients):", ""]
   for c in results["checks"]:
-    lines.append(f"- {c['backend']}, pad {c['pad']}, {c['tokens']} tokens: {'ok' if c['ok'] else 'FAILED'}, {max(c['rel_errors'].values()):.2e} (bound {c['bound']})")
+    lines.append(
+      f"- {c['backend']}, pad {c['pad']}, {c['tokens']} tokens: {'ok' if c['ok'] else 'FAILED'}, {max(c['rel_errors'].values()):.2e} (bound {c['bound']})"
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -315,7 +377,9 @@ def main() -> int:
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--check-tokens", type=int, default=1024)
   ap.add_argument("--small", action="store_true", help="CPU dry run: tiny shapes, xla backend, 2 iterations")
-  ap.add_argument("--no-stages", action="store_true", help="skip the per-stage CUPTI timings (the profiler trace alone)")
+  ap.add_argument(
+    "--no-stages", action="store_true", help="skip the per-stage CUPTI timings (the profiler trace alone)"
+  )
   args = ap.parse_args()
   shape = SMALL if args.small else FULL
   backends = ["xla"] if args.small else [args.backend] + (["xla"] if args.compare_xla and args.backend != "xla" else [])
@@ -325,9 +389,13 @@ def main() -> int:
   results = {"machine": machine(), "shape": shape, "iters": iters, "checks": [], "runs": []}
   for backend in backends:
     results["checks"] += check(shape, backend, pads, min(args.check_tokens, shape["tokens"]))
-  timed = [(b, pad) for b in backends for pad in (pads[-1:] if args.small else pads)]  # the dry run times the padded path
+  timed = [
+    (b, pad) for b in backends for pad in (pads[-1:] if args.small else pads)
+  ]  # the dry run times the padded path
   for backend, pad in timed:  # every profiler trace first, then CUPTI: one CUPTI client at a time
-    results["runs"].append(guarded(lambda: measure_trace(shape, backend, pad, iters), {"backend": backend, "pad": pad}, args.small))
+    results["runs"].append(
+      guarded(lambda: measure_trace(shape, backend, pad, iters), {"backend": backend, "pad": pad}, args.small)
+    )
     (args.out / "moe_layer.json").write_text(json.dumps(results, indent=1))
   for run in [] if args.no_stages else results["runs"]:
     run["stages"] = guarded(lambda: measure_stages(shape, run["backend"], run["pad"], iters), {}, args.small)

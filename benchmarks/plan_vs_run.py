@@ -49,15 +49,47 @@ def main() -> int:
     name = Path(recipe).parent.name + "-" + Path(recipe).stem
     plan_json = out / f"{name}.plan.json"
     plan_env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    rc, log = run([sys.executable, "-m", "MaxText.aot", recipe, "--gpu", args.gpu, "--num-gpus", "1", "--json", str(plan_json), *extra], plan_env, args.timeout)
+    rc, log = run(
+      [
+        sys.executable,
+        "-m",
+        "MaxText.aot",
+        recipe,
+        "--gpu",
+        args.gpu,
+        "--num-gpus",
+        "1",
+        "--json",
+        str(plan_json),
+        *extra,
+      ],
+      plan_env,
+      args.timeout,
+    )
     row = {"recipe": recipe, "plan_returncode": rc, "plan_log_tail": log.splitlines()[-14:]}
     if plan_json.exists():
       plan = json.loads(plan_json.read_text())
-      row.update(planned_peak_gib=plan["memory"]["peak"] / 2**30, planned_fits=plan["fits"],
-                 lower_bound_step_s=(plan.get("lower_bound_step_s") or {}).get("step"))
+      row.update(
+        planned_peak_gib=plan["memory"]["peak"] / 2**30,
+        planned_fits=plan["fits"],
+        lower_bound_step_s=(plan.get("lower_bound_step_s") or {}).get("step"),
+      )
     train_env = {**os.environ, **({"JAX_PLATFORMS": "cpu"} if args.cpu_dry_run else {})}
-    rc, log = run([sys.executable, "-m", "MaxText.train", recipe, f"steps={args.steps}", "enable_checkpointing=false",
-                   f"base_output_directory={runs}", f"run_name={name}", *extra], train_env, args.timeout)
+    rc, log = run(
+      [
+        sys.executable,
+        "-m",
+        "MaxText.train",
+        recipe,
+        f"steps={args.steps}",
+        "enable_checkpointing=false",
+        f"base_output_directory={runs}",
+        f"run_name={name}",
+        *extra,
+      ],
+      train_env,
+      args.timeout,
+    )
     row.update(train_returncode=rc, train_log_tail=log.splitlines()[-8:])
     summary = runs / name / "summary.json"
     if summary.exists():
@@ -69,11 +101,20 @@ def main() -> int:
   def fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
-  lines = ["| recipe | planned peak GiB | measured peak GiB | planned/measured | step >= (plan) s | median step s |", "|---|---|---|---|---|---|"]
+  lines = [
+    "| recipe | planned peak GiB | measured peak GiB | planned/measured | step >= (plan) s | median step s |",
+    "|---|---|---|---|---|---|",
+  ]
   for r in rows:
-    ratio = r["planned_peak_gib"] / r["measured_peak_gib"] if r.get("planned_peak_gib") and r.get("measured_peak_gib") else None
-    lines.append(f"| {r['recipe']} | {fmt(r.get('planned_peak_gib'), '.1f')} | {fmt(r.get('measured_peak_gib'), '.1f')} | {fmt(ratio, '.2f')} "
-                 f"| {fmt(r.get('lower_bound_step_s'), '.3f')} | {fmt(r.get('median_step_time_s'), '.3f')} |")
+    ratio = (
+      r["planned_peak_gib"] / r["measured_peak_gib"]
+      if r.get("planned_peak_gib") and r.get("measured_peak_gib")
+      else None
+    )
+    lines.append(
+      f"| {r['recipe']} | {fmt(r.get('planned_peak_gib'), '.1f')} | {fmt(r.get('measured_peak_gib'), '.1f')} | {fmt(ratio, '.2f')} "
+      f"| {fmt(r.get('lower_bound_step_s'), '.3f')} | {fmt(r.get('median_step_time_s'), '.3f')} |"
+    )
   (out / "plan_vs_run.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   return 0 if all(r["plan_returncode"] in (0, 3) and r["train_returncode"] == 0 for r in rows) else 1

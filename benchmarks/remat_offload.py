@@ -43,16 +43,22 @@ sys.path.insert(0, str(REPO))
 RECIPE = "recipes/deepseek_v3_proxy_1gpu/optimized.yml"
 SMALL_RECIPE = "recipes/deepseek_v3_tiny.yml"
 # The tiny model with two layers per stack (a one-layer stack keeps nothing in host memory), float32 on CPU.
-SMALL_OVERRIDES = ("max_target_length=32", "per_device_batch_size=4", "mtp_num_layers=0", "base_num_decoder_layers=4",
-                   "first_num_dense_layers=2", "ici_fsdp_parallelism=1")
+SMALL_OVERRIDES = (
+  "max_target_length=32",
+  "per_device_batch_size=4",
+  "mtp_num_layers=0",
+  "base_num_decoder_layers=4",
+  "first_num_dense_layers=2",
+  "ici_fsdp_parallelism=1",
+)
 OFFLOADED = ("decoder_layer_input", "moe_mlpwi_0", "moe_mlpwi_1")
 VARIANTS = {
-    "offload": ("remat_policy=custom", *(f"{n}=offload" for n in OFFLOADED)),
-    "device": ("remat_policy=custom", *(f"{n}=device" for n in OFFLOADED)),
-    "full": ("remat_policy=full",),
-    "none": ("remat_policy=none",),
-    # Not in the default list (time budget): full remat with the AdamW moments and fp32 master weights in host memory.
-    "state_offload": ("remat_policy=full", "optimizer_memory_host_offload=true", "parameter_memory_host_offload=true"),
+  "offload": ("remat_policy=custom", *(f"{n}=offload" for n in OFFLOADED)),
+  "device": ("remat_policy=custom", *(f"{n}=device" for n in OFFLOADED)),
+  "full": ("remat_policy=full",),
+  "none": ("remat_policy=none",),
+  # Not in the default list (time budget): full remat with the AdamW moments and fp32 master weights in host memory.
+  "state_offload": ("remat_policy=full", "optimizer_memory_host_offload=true", "parameter_memory_host_offload=true"),
 }
 DEFAULT_VARIANTS = ("offload", "device", "full", "none")
 LOSS_RTOL = 2e-3  # bf16: recomputation may fuse differently; a wrong policy or a lost tensor moves the loss far more
@@ -97,7 +103,11 @@ def overlap_summary(trace_events: list[dict]) -> dict:
   'XLA Modules' lines repeat the kernels or span whole steps and would make every copy look overlapped.
   """
   pids = {e["pid"]: e["args"]["name"] for e in trace_events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace_events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  threads = {
+    (e["pid"], e["tid"]): e["args"]["name"]
+    for e in trace_events
+    if e.get("ph") == "M" and e.get("name") == "thread_name"
+  }
   gpu_pids = {pid for pid, name in pids.items() if re.search(r"/device:GPU:\d+", name)}
   kernels, copies, names = {}, {}, {}
   for e in trace_events:
@@ -112,7 +122,10 @@ def overlap_summary(trace_events: list[dict]) -> dict:
       kernels.setdefault(e["pid"], []).append(span)
     elif kind in ("d2h", "h2d"):
       copies.setdefault((e["pid"], kind), []).append(span)
-  result = {"gpu_processes": sorted(pids[p] for p in gpu_pids), "top_event_names": sorted(names.items(), key=lambda kv: -kv[1])[:25]}
+  result = {
+    "gpu_processes": sorted(pids[p] for p in gpu_pids),
+    "top_event_names": sorted(names.items(), key=lambda kv: -kv[1])[:25],
+  }
   for pid in gpu_pids:
     union = _union(kernels.get(pid, []))
     starts = [s for s, _ in union]
@@ -121,8 +134,11 @@ def overlap_summary(trace_events: list[dict]) -> dict:
       total = sum(e - s for s, e in spans)
       during = sum(_covered(union, starts, s, e) for s, e in spans)
       result[f"{pids[pid]} {kind}"] = {
-          "copies": len(spans), "copy_ms": total / 1e3, "overlapped_ms": during / 1e3,
-          "overlap_fraction": during / total if total else None, "exposed_ms": (total - during) / 1e3,
+        "copies": len(spans),
+        "copy_ms": total / 1e3,
+        "overlapped_ms": during / 1e3,
+        "overlap_fraction": during / total if total else None,
+        "exposed_ms": (total - during) / 1e3,
       }
     result[f"{pids[pid]} kernel_busy_ms"] = sum(e - s for s, e in union) / 1e3
   return result
@@ -173,12 +189,21 @@ def worker(args) -> dict:
     losses.append(float(metrics["loss"]))
   stats = jax.local_devices()[0].memory_stats() or {}
   out = {
-      "variant": args.worker, "overrides": overrides, "remat": remat.describe(cfg.model), "xla_flags": applied["xla_flags"],
-      "device_kind": jax.devices()[0].device_kind, "compile_s": compile_s, "losses": losses,
-      "step_times_s": times, "median_step_s": statistics.median(times[args.warmup:]),
-      "peak_bytes": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
-      "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes,
-      "host_temp_bytes": mem.host_temp_size_in_bytes, "host_argument_bytes": mem.host_argument_size_in_bytes,
+    "variant": args.worker,
+    "overrides": overrides,
+    "remat": remat.describe(cfg.model),
+    "xla_flags": applied["xla_flags"],
+    "device_kind": jax.devices()[0].device_kind,
+    "compile_s": compile_s,
+    "losses": losses,
+    "step_times_s": times,
+    "median_step_s": statistics.median(times[args.warmup :]),
+    "peak_bytes": stats.get("peak_bytes_in_use"),
+    "bytes_limit": stats.get("bytes_limit"),
+    "temp_bytes": mem.temp_size_in_bytes,
+    "argument_bytes": mem.argument_size_in_bytes,
+    "host_temp_bytes": mem.host_temp_size_in_bytes,
+    "host_argument_bytes": mem.host_argument_size_in_bytes,
   }
   if args.profile:
     profile_dir = Path(args.out).parent / f"profile_{args.worker}"
@@ -217,10 +242,19 @@ def expected_offload_bytes(recipe: str, overrides: list[str]) -> dict:
 def machine() -> dict:
   import importlib.metadata
 
-  info = {"python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"),
-          "jax": importlib.metadata.version("jax"), "jaxlib": importlib.metadata.version("jaxlib")}
+  info = {
+    "python": sys.version.split()[0],
+    "date": time.strftime("%Y-%m-%d"),
+    "jax": importlib.metadata.version("jax"),
+    "jaxlib": importlib.metadata.version("jaxlib"),
+  }
   try:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    smi = subprocess.run(
+      ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+      capture_output=True,
+      text=True,
+      timeout=30,
+    )
     info["gpu"] = smi.stdout.strip() or None
   except (OSError, subprocess.TimeoutExpired):
     info["gpu"] = None
@@ -235,19 +269,29 @@ def gib(b) -> str:
 
 
 def markdown(results: dict) -> str:
-  lines = [f"# Remat and host offload, {results['recipe']}", "", f"machine: {results['machine']}", "",
-           "| variant | median step | peak device memory | device temp (compiled) | host temp (compiled) | losses match the reference |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    f"# Remat and host offload, {results['recipe']}",
+    "",
+    f"machine: {results['machine']}",
+    "",
+    "| variant | median step | peak device memory | device temp (compiled) | host temp (compiled) | losses match the reference |",
+    "|---|---|---|---|---|---|",
+  ]
   for name, r in results["variants"].items():
     if "error" in r:
       lines.append(f"| {name} | {r['error']} | | | | |")
       continue
-    lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} ms | {gib(r['peak_bytes'])} | {gib(r['temp_bytes'])} | "
-                 f"{gib(r['host_temp_bytes'])} | {r.get('losses_match_reference', '-')} |")
+    lines.append(
+      f"| {name} | {r['median_step_s'] * 1e3:.1f} ms | {gib(r['peak_bytes'])} | {gib(r['temp_bytes'])} | "
+      f"{gib(r['host_temp_bytes'])} | {r.get('losses_match_reference', '-')} |"
+    )
   e = results["expected"]
-  lines += ["", f"loss reference: {results.get('loss_reference')}",
-            f"expected offloaded bytes (layers of stacks with > 1 layer): {gib(e['expected_bytes'])} "
-            f"(all layers: {gib(e['all_layers_bytes'])}); stacks {e['stacks']}"]
+  lines += [
+    "",
+    f"loss reference: {results.get('loss_reference')}",
+    f"expected offloaded bytes (layers of stacks with > 1 layer): {gib(e['expected_bytes'])} "
+    f"(all layers: {gib(e['all_layers_bytes'])}); stacks {e['stacks']}",
+  ]
   for k, v in results.get("checks", {}).items():
     lines.append(f"- {k}: {v}")
   prof = results["variants"].get("offload", {}).get("profile")
@@ -256,8 +300,10 @@ def markdown(results: dict) -> str:
     for k, v in prof.items():
       if isinstance(v, dict):
         frac = v["overlap_fraction"]
-        lines.append(f"- {k}: {v['copies']} copies, {v['copy_ms']:.1f} ms, overlapped {v['overlapped_ms']:.1f} ms "
-                     f"({'-' if frac is None else f'{frac:.0%}'}), exposed {v['exposed_ms']:.1f} ms")
+        lines.append(
+          f"- {k}: {v['copies']} copies, {v['copy_ms']:.1f} ms, overlapped {v['overlapped_ms']:.1f} ms "
+          f"({'-' if frac is None else f'{frac:.0%}'}), exposed {v['exposed_ms']:.1f} ms"
+        )
       elif k not in ("top_event_names", "gpu_processes"):
         lines.append(f"- {k}: {v}")
   return "\n".join(lines) + "\n"
@@ -269,7 +315,9 @@ def checks(results: dict) -> dict:
   expected = results["expected"]["expected_bytes"]
   if off.get("peak_bytes") and dev.get("peak_bytes"):
     saved = dev["peak_bytes"] - off["peak_bytes"]
-    out["peak saved by offload vs device"] = f"{gib(saved)} of {gib(expected)} expected: " + ("PASS" if saved >= 0.8 * expected else "FAIL")
+    out["peak saved by offload vs device"] = f"{gib(saved)} of {gib(expected)} expected: " + (
+      "PASS" if saved >= 0.8 * expected else "FAIL"
+    )
   if "median_step_s" in off and "median_step_s" in dev:
     ratio = off["median_step_s"] / dev["median_step_s"]
     out["step time offload / device"] = f"{ratio:.3f} (<= 1.05): " + ("PASS" if ratio <= 1.05 else "FAIL")
@@ -283,7 +331,9 @@ def main() -> int:
   ap.add_argument("--out", required=True, help="output directory (or, with --worker, the worker's JSON file)")
   ap.add_argument("--recipe", default=None)
   ap.add_argument("--override", action="append", default=[], help="extra key=value for every variant")
-  ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}")
+  ap.add_argument(
+    "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}"
+  )
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--steps", type=int, default=4)
   ap.add_argument("--xla-flag-presets", default="latency_hiding", help="xla_flag_presets for every variant (GPU)")
@@ -304,8 +354,13 @@ def main() -> int:
 
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  results = {"recipe": args.recipe, "overrides": args.override, "machine": machine(), "variants": {},
-             "expected": expected_offload_bytes(args.recipe, args.override)}
+  results = {
+    "recipe": args.recipe,
+    "overrides": args.override,
+    "machine": machine(),
+    "variants": {},
+    "expected": expected_offload_bytes(args.recipe, args.override),
+  }
   start = time.perf_counter()
   env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
   if args.small:
@@ -314,21 +369,48 @@ def main() -> int:
     if time.perf_counter() - start > args.budget_s:
       results["variants"][name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
       continue
-    cmd = [sys.executable, __file__, "--worker", name, "--out", str(out / f"{name}.json"), "--recipe", args.recipe,
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--xla-flag-presets", args.xla_flag_presets,
-           *(["--small"] if args.small else []), *(["--profile"] if name == "offload" else []),
-           *(f"--override={o}" for o in args.override if o not in SMALL_OVERRIDES)]
+    cmd = [
+      sys.executable,
+      __file__,
+      "--worker",
+      name,
+      "--out",
+      str(out / f"{name}.json"),
+      "--recipe",
+      args.recipe,
+      "--warmup",
+      str(args.warmup),
+      "--steps",
+      str(args.steps),
+      "--xla-flag-presets",
+      args.xla_flag_presets,
+      *(["--small"] if args.small else []),
+      *(["--profile"] if name == "offload" else []),
+      *(f"--override={o}" for o in args.override if o not in SMALL_OVERRIDES),
+    ]
     print("+", " ".join(cmd), flush=True)
     t = time.perf_counter()
     try:
       proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.worker_timeout_s)
       ok = proc.returncode == 0 and (out / f"{name}.json").exists()
-      results["variants"][name] = json.loads((out / f"{name}.json").read_text()) if ok else {
-          "error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr).splitlines()[-30:]}
+      results["variants"][name] = (
+        json.loads((out / f"{name}.json").read_text())
+        if ok
+        else {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr).splitlines()[-30:]}
+      )
     except subprocess.TimeoutExpired:
       results["variants"][name] = {"error": f"timeout after {args.worker_timeout_s:.0f} s"}
-    print(f"  {name}: {time.perf_counter() - t:.0f} s; " + json.dumps({k: v for k, v in results["variants"][name].items()
-                                                                      if k in ("median_step_s", "peak_bytes", "host_temp_bytes", "error")}), flush=True)
+    print(
+      f"  {name}: {time.perf_counter() - t:.0f} s; "
+      + json.dumps(
+        {
+          k: v
+          for k, v in results["variants"][name].items()
+          if k in ("median_step_s", "peak_bytes", "host_temp_bytes", "error")
+        }
+      ),
+      flush=True,
+    )
   # No remat is the reference; full remat stands in if none did not run (time budget, memory).
   ref_name = next((n for n in ("none", "full") if "losses" in results["variants"].get(n, {})), None)
   results["loss_reference"] = ref_name

@@ -20,7 +20,12 @@ from pathlib import Path
 def machine() -> dict:
   info = {"python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d")}
   try:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    smi = subprocess.run(
+      ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+      capture_output=True,
+      text=True,
+      timeout=30,
+    )
     info["gpu"] = smi.stdout.strip()
   except (OSError, subprocess.TimeoutExpired):
     info["gpu"] = None
@@ -42,13 +47,24 @@ def main() -> int:
   results = {"recipe": args.recipe, "machine": machine(), "variants": {}}
   runs = Path(tempfile.mkdtemp(prefix="bench_runs_"))
   for name, overrides in args.variant:
-    cmd = [sys.executable, "-m", "MaxText.train", args.recipe, *shlex.split(overrides), f"base_output_directory={runs}", f"run_name={name}"]
+    cmd = [
+      sys.executable,
+      "-m",
+      "MaxText.train",
+      args.recipe,
+      *shlex.split(overrides),
+      f"base_output_directory={runs}",
+      f"run_name={name}",
+    ]
     print("+", " ".join(cmd), flush=True)
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
       rc, log = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
-      rc, log = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+      rc, log = (
+        "timeout",
+        (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""),
+      )
     summary_file = runs / name / "summary.json"
     entry = {"overrides": overrides, "returncode": rc, "log_tail": log.splitlines()[-25:]}
     if summary_file.exists():

@@ -22,13 +22,23 @@ REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets" / "losses"
 RECIPE = REPO / "recipes" / "deepseek_v3_tiny.yml"
 STEPS = 30
-COMMON = (f"steps={STEPS}", "dtype=float32", "weight_dtype=float32", "init_weights_seed=0", "data_shuffle_seed=0",
-          "log_period=1000", "enable_tensorboard=false", "enable_checkpointing=false")
+COMMON = (
+  f"steps={STEPS}",
+  "dtype=float32",
+  "weight_dtype=float32",
+  "init_weights_seed=0",
+  "data_shuffle_seed=0",
+  "log_period=1000",
+  "enable_tensorboard=false",
+  "enable_checkpointing=false",
+)
 # case -> (devices, overrides): one device, and the 8-device mesh (fsdp x expert x tensor) on the same global batch.
 CASES = {
-    "tiny_1dev": (1, ("per_device_batch_size=16",)),
-    "tiny_8dev": (8, ("per_device_batch_size=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
-                      "ici_tensor_parallelism=2")),
+  "tiny_1dev": (1, ("per_device_batch_size=16",)),
+  "tiny_8dev": (
+    8,
+    ("per_device_batch_size=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"),
+  ),
 }
 XLA_FLAGS = "--xla_force_host_platform_device_count={devices} --xla_cpu_max_isa=AVX2"
 
@@ -46,15 +56,15 @@ def run(case: str) -> dict:
     cfg = load_config(RECIPE, [*COMMON, *overrides, f"base_output_directory={tmp}", "run_name=golden"])
     history = train(cfg)
   return {
-      "case": case,
-      "recipe": str(RECIPE.relative_to(REPO)),
-      "overrides": [*COMMON, *overrides],
-      "xla_flags": XLA_FLAGS.format(devices=devices),
-      "jax": jax.__version__,
-      # float.hex: exact; the decimal copy is for reading diffs.
-      "loss": [float(h["loss"]).hex() for h in history],
-      "grad_norm": [float(h["grad_norm"]).hex() for h in history],
-      "loss_decimal": [round(float(h["loss"]), 6) for h in history],
+    "case": case,
+    "recipe": str(RECIPE.relative_to(REPO)),
+    "overrides": [*COMMON, *overrides],
+    "xla_flags": XLA_FLAGS.format(devices=devices),
+    "jax": jax.__version__,
+    # float.hex: exact; the decimal copy is for reading diffs.
+    "loss": [float(h["loss"]).hex() for h in history],
+    "grad_norm": [float(h["grad_norm"]).hex() for h in history],
+    "loss_decimal": [round(float(h["loss"]), 6) for h in history],
   }
 
 

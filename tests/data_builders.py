@@ -103,7 +103,16 @@ def sentencepiece_model(path: Path, docs: list[str], vocab_size: int = 60) -> Pa
   import sentencepiece as spm
 
   model = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(docs * 4), model_writer=model, vocab_size=vocab_size,
-                                 model_type="bpe", bos_id=1, eos_id=2, pad_id=-1, unk_id=0, minloglevel=2)
+  spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(docs * 4),
+    model_writer=model,
+    vocab_size=vocab_size,
+    model_type="bpe",
+    bos_id=1,
+    eos_id=2,
+    pad_id=-1,
+    unk_id=0,
+    minloglevel=2,
+  )
   path.write_bytes(model.getvalue())
   return path

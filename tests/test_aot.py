@@ -16,10 +16,17 @@ from MaxText import step_flops
 
 PLUGIN_SITE = REPO / ".venv" / "gpu-aot"
 OPTIMIZED = "recipes/deepseek_v3_671b/optimized.yml"
-SHALLOW = ["base_num_decoder_layers=3", "first_num_dense_layers=1"]  # 1 dense + 2 MoE layers (offload needs a stack of 2) + MTP
-needs_plugin = pytest.mark.skipif(not (PLUGIN_SITE / "jax_plugins").is_dir() and "MAXTEXT_GPU_AOT_SITE" not in os.environ,
-                                  reason=f"CUDA plugin not installed in {PLUGIN_SITE}: make install")
-slow = pytest.mark.skipif(os.environ.get("MAXTEXT_SLOW_TESTS") != "1", reason="full-depth 671B compile: set MAXTEXT_SLOW_TESTS=1")
+SHALLOW = [
+  "base_num_decoder_layers=3",
+  "first_num_dense_layers=1",
+]  # 1 dense + 2 MoE layers (offload needs a stack of 2) + MTP
+needs_plugin = pytest.mark.skipif(
+  not (PLUGIN_SITE / "jax_plugins").is_dir() and "MAXTEXT_GPU_AOT_SITE" not in os.environ,
+  reason=f"CUDA plugin not installed in {PLUGIN_SITE}: make install",
+)
+slow = pytest.mark.skipif(
+  os.environ.get("MAXTEXT_SLOW_TESTS") != "1", reason="full-depth 671B compile: set MAXTEXT_SLOW_TESTS=1"
+)
 
 
 def aot(*args: str, out=None) -> tuple[subprocess.CompletedProcess, dict | None]:
@@ -72,13 +79,16 @@ def test_too_small_cluster_fails_with_one_clear_line(tmp_path):
   assert "does NOT fit" in proc.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     ((OPTIMIZED, "--gpu", "a100", "--num-gpus", "8"), "--gpu a100: unknown GPU; choose one of: h100, h200"),
     ((OPTIMIZED, "--gpu", "h200"), "the following arguments are required: --num-gpus"),
     ((OPTIMIZED, "--gpu", "h200", "--num-gpus", "12"), "--num-gpus 12 is not a multiple of 8 GPUs per host"),
     (("configs/none.yml", "--gpu", "h200", "--num-gpus", "8"), "does not exist"),
     ((OPTIMIZED, "--gpu", "h200", "--num-gpus", "8", "num_expert=3"), "did you mean 'num_experts'"),
-])
+  ],
+)
 def test_bad_input_is_one_error_line_and_exit_2(args, message):
   proc, _ = aot(*args)
   assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -111,6 +121,12 @@ def test_flop_count_of_ragged_dot_forward_and_gradients():
 def test_pallas_kernels_are_reported_not_counted():
   from MaxText.moe.gmm import mosaic  # traced only: Mosaic GPU kernels need no GPU to build a jaxpr
 
-  x, w, sizes = jnp.ones((256, 128), jnp.bfloat16), jnp.ones((2, 128, 128), jnp.bfloat16), jnp.array([128, 128], jnp.int32)
+  x, w, sizes = (
+    jnp.ones((256, 128), jnp.bfloat16),
+    jnp.ones((2, 128, 128), jnp.bfloat16),
+    jnp.array([128, 128], jnp.int32),
+  )
   count = step_flops.step_flops(jax.grad(lambda x, w: mosaic.gmm(x, w, sizes).sum(), argnums=(0, 1)), x, w)
-  assert count.uncounted_kernels == 3 and count.flops == 0  # forward, dgrad, wgrad kernels; their insides are not matmuls we can count
+  assert (
+    count.uncounted_kernels == 3 and count.flops == 0
+  )  # forward, dgrad, wgrad kernels; their insides are not matmuls we can count

@@ -26,7 +26,9 @@ def setup(tiny_config, *overrides, devices=None):
 def fake_state(abstract, seed=0):
   """A state of random values placed like `abstract` (no jit: Trainer.init_state takes seconds to compile)."""
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda a: jax.device_put((rng.standard_normal(a.shape) * 3).astype(a.dtype), a.sharding), abstract)
+  return jax.tree.map(
+    lambda a: jax.device_put((rng.standard_normal(a.shape) * 3).astype(a.dtype), a.sharding), abstract
+  )
 
 
 def test_round_trip_is_exact_and_keeps_types_and_shardings(tiny_config, tmp_path):
@@ -90,11 +92,18 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_sigkill_during_an_async_save_keeps_the_latest_good_checkpoint(tiny_config, tmp_path):
   ck_dir = tmp_path / "ck"
   script = KILL_MID_SAVE.format(repo=str(REPO), recipe=str(REPO / "recipes/deepseek_v3_tiny.yml"), ck=str(ck_dir))
-  proc = subprocess.run([sys.executable, "-c", script], env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
-                        capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-c", script],
+    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == -9, proc.stderr
   assert any(".orbax-checkpoint-tmp" in p.name for p in ck_dir.iterdir())  # it did die mid-save
-  cfg, trainer, abstract = setup(tiny_config, "vocab_size=131072", "max_num_checkpoints_to_keep=1", devices=jax.devices()[:1])
+  cfg, trainer, abstract = setup(
+    tiny_config, "vocab_size=131072", "max_num_checkpoints_to_keep=1", devices=jax.devices()[:1]
+  )
   ck = Checkpointer(ck_dir, cfg, abstract, trainer.global_batch)
   assert ck.latest_step() == 1  # step 1 was not deleted for the unfinished step 2
   state, data_state = ck.restore(1)
@@ -133,8 +142,10 @@ def test_load_parameters_path_takes_only_the_parameters(tiny_config, tmp_path):
   for want, got in zip(jax.tree.leaves(state.params), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   _, _, other = setup(tiny_config, "base_mlp_dim=64", devices=jax.devices()[:1])
-  mismatch = (r"parameters do not match this model "
-              r"\(params/dense_layers/ffn/wi_0: checkpoint \[1, 64, 128\] float32, now \[1, 64, 64\] float32\)")
+  mismatch = (
+    r"parameters do not match this model "
+    r"\(params/dense_layers/ffn/wi_0: checkpoint \[1, 64, 128\] float32, now \[1, 64, 64\] float32\)"
+  )
   with pytest.raises(UserError, match=mismatch):
     load_parameters(str(tmp_path / "ck" / "7"), other.params)
   with pytest.raises(UserError, match="is not a checkpoint step directory"):

@@ -44,21 +44,24 @@ def test_config_is_read_only(tiny_config):
 
 
 @pytest.mark.parametrize(
-    "override, message",
-    [
-        ("num_expert=4", "unknown config key 'num_expert' in the command line; did you mean 'num_experts'?"),
-        ("steps=1.5", "steps=1.5 (from the command line) must be an integer"),
-        ("scan_layers=maybe", "scan_layers='maybe' (from the command line) must be true or false"),
-        ("learning_rate=fast", "learning_rate='fast' (from the command line) must be a number"),
-        ("dtype=float8", "dtype='float8' (from the command line) is not allowed; choose one of: float32, bfloat16, float16"),
-        ("steps=0", "steps=0 (from the command line) must be >= 1"),
-        ("adam_b1=1.5", "adam_b1=1.5 (from the command line) must be <= 1.0"),
-        ("num_experts_per_tok=16", "num_experts_per_tok: 16 is more than num_experts=8"),
-        ("n_routing_groups=3", "n_routing_groups: num_experts=8 is not divisible by 3 groups"),
-        ("moe_dispatch=capacity", "moe_dispatch=capacity needs capacity_factor > 0"),
-        ("gradient_accumulation_steps=3", "per_device_batch_size=16 is not divisible by 3"),
-        ("steps", "command-line argument 'steps' must be key=value"),
-    ],
+  "override, message",
+  [
+    ("num_expert=4", "unknown config key 'num_expert' in the command line; did you mean 'num_experts'?"),
+    ("steps=1.5", "steps=1.5 (from the command line) must be an integer"),
+    ("scan_layers=maybe", "scan_layers='maybe' (from the command line) must be true or false"),
+    ("learning_rate=fast", "learning_rate='fast' (from the command line) must be a number"),
+    (
+      "dtype=float8",
+      "dtype='float8' (from the command line) is not allowed; choose one of: float32, bfloat16, float16",
+    ),
+    ("steps=0", "steps=0 (from the command line) must be >= 1"),
+    ("adam_b1=1.5", "adam_b1=1.5 (from the command line) must be <= 1.0"),
+    ("num_experts_per_tok=16", "num_experts_per_tok: 16 is more than num_experts=8"),
+    ("n_routing_groups=3", "n_routing_groups: num_experts=8 is not divisible by 3 groups"),
+    ("moe_dispatch=capacity", "moe_dispatch=capacity needs capacity_factor > 0"),
+    ("gradient_accumulation_steps=3", "per_device_batch_size=16 is not divisible by 3"),
+    ("steps", "command-line argument 'steps' must be key=value"),
+  ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(tiny_config, override, message):
   with pytest.raises(UserError) as e:
@@ -86,7 +89,9 @@ def test_bad_files(tmp_path):
 
 def test_mesh_errors_give_the_numbers(tiny_config):
   cfg = tiny_config("ici_fsdp_parallelism=3", "ici_tensor_parallelism=2")
-  with pytest.raises(UserError, match=r"ici mesh data=1 x fsdp=3 x expert=1 x tensor=2 has 6 devices but 8 are available"):
+  with pytest.raises(
+    UserError, match=r"ici mesh data=1 x fsdp=3 x expert=1 x tensor=2 has 6 devices but 8 are available"
+  ):
     mesh_shape(cfg.mesh, 8)
   cfg = tiny_config("ici_fsdp_parallelism=-1", "ici_tensor_parallelism=3")
   with pytest.raises(UserError, match="8 devices are not divisible by the fixed axes' product 3"):
@@ -99,25 +104,38 @@ def test_effective_config_round_trips(tiny_config, tmp_path):
   cfg = tiny_config("steps=3")
   written = tmp_path / "config.yml"
   written.write_text(cfg.to_yaml())
-  again = load_config(None, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in yaml.safe_load(written.read_text()).items()])
+  again = load_config(
+    None,
+    [
+      f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+      for k, v in yaml.safe_load(written.read_text()).items()
+    ],
+  )
   assert again.to_flat_dict() == cfg.to_flat_dict()
 
 
 @pytest.mark.parametrize(
-    "args, message",
-    [
-        ([str(TINY_RECIPE), "num_expert=4"], "error: unknown config key 'num_expert' in the command line; did you mean 'num_experts'?"),
-        (["recipes/none.yml"], "does not exist"),
-        ([str(TINY_RECIPE), "ici_tensor_parallelism=3"], "1 devices are not divisible by the fixed axes' product 3"),
-        (["steps=3"], "the first argument must be a recipe .yml file"),
-    ],
+  "args, message",
+  [
+    (
+      [str(TINY_RECIPE), "num_expert=4"],
+      "error: unknown config key 'num_expert' in the command line; did you mean 'num_experts'?",
+    ),
+    (["recipes/none.yml"], "does not exist"),
+    ([str(TINY_RECIPE), "ici_tensor_parallelism=3"], "1 devices are not divisible by the fixed axes' product 3"),
+    (["steps=3"], "the first argument must be a recipe .yml file"),
+  ],
 )
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, message):
   env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
   out = tmp_path / "runs"
   proc = subprocess.run(
-      [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out}"],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
   )
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()
@@ -135,7 +153,13 @@ def test_every_recipe_loads(recipe):
 @pytest.mark.parametrize("args", [["--help"], [str(TINY_RECIPE), "steps=3", "--help"]])
 def test_help_anywhere_prints_usage_and_runs_nothing(tmp_path, args):
   out = tmp_path / "runs"
-  proc = subprocess.run([sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out}"], cwd=REPO,
-                        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out}"],
+    cwd=REPO,
+    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 0 and "python -m MaxText.train" in proc.stdout, proc.stdout + proc.stderr
   assert not out.exists()

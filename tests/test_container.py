@@ -65,7 +65,7 @@ def pip_installs(dockerfile) -> list[list[str]]:
       for cmd in re.split(r"&&|;|\|", args):
         words = cmd.split()
         if "pip" in words and "install" in words:
-          found.append(words[words.index("install") + 1:])
+          found.append(words[words.index("install") + 1 :])
   return found
 
 
@@ -93,7 +93,13 @@ def test_everything_copied_exists_and_is_in_the_build_context(dockerfile, ignore
 
 
 def test_dockerignore_keeps_environments_and_runs_out(ignore_patterns):
-  for path in (".venv/bin/python", ".git/HEAD", "runs/x/metrics.jsonl", "MaxText/__pycache__/a.pyc", "benchmarks/results/x.json"):
+  for path in (
+    ".venv/bin/python",
+    ".git/HEAD",
+    "runs/x/metrics.jsonl",
+    "MaxText/__pycache__/a.pyc",
+    "benchmarks/results/x.json",
+  ):
     assert ignored(path, ignore_patterns), path
   for path in ("MaxText/train.py", "recipes/deepseek_v3_671b/optimized.yml", "scripts/slurm/deepseek_v3_671b.sbatch"):
     assert not ignored(path, ignore_patterns), path
@@ -114,7 +120,9 @@ def test_requirements_installed_under_the_image_pins_and_jax_te_never_replaced(d
   assert copy_req < run_req
   for args in installs:
     assert not {"-U", "--upgrade", "--force-reinstall", "--ignore-installed", "-I"} & set(args), args
-    named = [a for i, a in enumerate(args) if not a.startswith("-") and args[i - 1] not in ("-r", "-c", "-e") and a != "."]
+    named = [
+      a for i, a in enumerate(args) if not a.startswith("-") and args[i - 1] not in ("-r", "-c", "-e") and a != "."
+    ]
     for pkg in named:
       name = re.split(r"[<>=!~\[ ]", pkg)[0]
       assert not KEPT_FROM_IMAGE.match(name), f"pip install {pkg} would replace the image's {name}"
@@ -139,16 +147,34 @@ def test_command_module_exists(dockerfile):
 
 
 def test_build_script_dry_run_prints_build_and_enroot_import(tmp_path):
-  r = subprocess.run(["scripts/build_container.sh", "--dry-run", "--engine", "podman", "--tag", "t:1", "--squashfs", str(tmp_path / "i.sqsh")],
-                     cwd=REPO, capture_output=True, text=True, timeout=60)
+  r = subprocess.run(
+    [
+      "scripts/build_container.sh",
+      "--dry-run",
+      "--engine",
+      "podman",
+      "--tag",
+      "t:1",
+      "--squashfs",
+      str(tmp_path / "i.sqsh"),
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert r.returncode == 0, r.stderr
   assert "+ podman build -t t:1 ." in r.stdout
   assert f"+ enroot import -o {tmp_path / 'i.sqsh'} podman://t:1" in r.stdout
-  bad = subprocess.run(["scripts/build_container.sh", "--engine", "lxc"], cwd=REPO, capture_output=True, text=True, timeout=60)
+  bad = subprocess.run(
+    ["scripts/build_container.sh", "--engine", "lxc"], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
   assert bad.returncode == 2 and bad.stderr.startswith("error:")
 
 
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed")
 def test_hadolint():
-  r = subprocess.run(["hadolint", "--failure-threshold", "error", "Dockerfile"], cwd=REPO, capture_output=True, text=True, timeout=60)
+  r = subprocess.run(
+    ["hadolint", "--failure-threshold", "error", "Dockerfile"], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
   assert r.returncode == 0, r.stdout + r.stderr

@@ -38,36 +38,49 @@ def files(tmp_path_factory):
   build.write_jsonl(d / "json" / "a.jsonl", DOCS[:half])
   build.write_jsonl(d / "json" / "b.jsonl", DOCS[half:])
   return {
-      "jsonl": str(d / "json" / "*.jsonl"),
-      "parquet": str(build.write_parquet(d / "docs.parquet", DOCS)),
-      "text": str(build.write_text(d / "docs.txt", DOCS)),
-      "arrayrecord": str(build.write_arrayrecord(d / "docs.array_record", DOCS)),
-      "tfds_dir": str(d / "tfds"),
-      "tfds": build.write_tfds(d / "tfds", DOCS),
-      "hf_saved": str(build.write_hf_saved(d / "hf_saved", DOCS)),
-      "tiktoken": str(build.byte_tiktoken(d / "bytes.tiktoken")),
-      "hf_tokenizer": str(build.word_tokenizer(d / "tokenizer.json", DOCS)),
-      "sentencepiece": str(build.sentencepiece_model(d / "sp.model", DOCS)),
+    "jsonl": str(d / "json" / "*.jsonl"),
+    "parquet": str(build.write_parquet(d / "docs.parquet", DOCS)),
+    "text": str(build.write_text(d / "docs.txt", DOCS)),
+    "arrayrecord": str(build.write_arrayrecord(d / "docs.array_record", DOCS)),
+    "tfds_dir": str(d / "tfds"),
+    "tfds": build.write_tfds(d / "tfds", DOCS),
+    "hf_saved": str(build.write_hf_saved(d / "hf_saved", DOCS)),
+    "tiktoken": str(build.byte_tiktoken(d / "bytes.tiktoken")),
+    "hf_tokenizer": str(build.word_tokenizer(d / "tokenizer.json", DOCS)),
+    "sentencepiece": str(build.sentencepiece_model(d / "sp.model", DOCS)),
   }
 
 
 def source_keys(files, kind: str) -> list[str]:
   return {
-      "grain-jsonl": ["dataset_type=grain", "grain_file_type=jsonl", f"grain_train_files={files['jsonl']}"],
-      "grain-parquet": ["dataset_type=grain", "grain_file_type=parquet", f"grain_train_files={files['parquet']}"],
-      "grain-text": ["dataset_type=grain", "grain_file_type=text", f"grain_train_files={files['text']}"],
-      "grain-arrayrecord": ["dataset_type=grain", "grain_file_type=arrayrecord", f"grain_train_files={files['arrayrecord']}"],
-      "tfds": ["dataset_type=tfds", f"dataset_name={files['tfds']}", f"dataset_path={files['tfds_dir']}"],
-      "hf-json": ["dataset_type=hf", "hf_path=json", f"hf_train_files={files['jsonl']}"],
-      "hf-saved": ["dataset_type=hf", f"hf_path={files['hf_saved']}"],
+    "grain-jsonl": ["dataset_type=grain", "grain_file_type=jsonl", f"grain_train_files={files['jsonl']}"],
+    "grain-parquet": ["dataset_type=grain", "grain_file_type=parquet", f"grain_train_files={files['parquet']}"],
+    "grain-text": ["dataset_type=grain", "grain_file_type=text", f"grain_train_files={files['text']}"],
+    "grain-arrayrecord": [
+      "dataset_type=grain",
+      "grain_file_type=arrayrecord",
+      f"grain_train_files={files['arrayrecord']}",
+    ],
+    "tfds": ["dataset_type=tfds", f"dataset_name={files['tfds']}", f"dataset_path={files['tfds_dir']}"],
+    "hf-json": ["dataset_type=hf", "hf_path=json", f"hf_train_files={files['jsonl']}"],
+    "hf-saved": ["dataset_type=hf", f"hf_path={files['hf_saved']}"],
   }[kind]
 
 
-def open_data(files, kind="grain-jsonl", *overrides, seq=128, local_batch=4, process_index=0, process_count=1, vocab=320):
+def open_data(
+  files, kind="grain-jsonl", *overrides, seq=128, local_batch=4, process_index=0, process_count=1, vocab=320
+):
   keys = [*source_keys(files, kind), "tokenizer_type=tiktoken", f"tokenizer_path={files['tiktoken']}", *overrides]
   cfg = load_config(TINY_RECIPE, keys)
-  return make_iterator(cfg.data, local_batch=local_batch, global_batch=local_batch * process_count, seq_len=seq,
-                       vocab_size=vocab, process_index=process_index, process_count=process_count)
+  return make_iterator(
+    cfg.data,
+    local_batch=local_batch,
+    global_batch=local_batch * process_count,
+    seq_len=seq,
+    vocab_size=vocab,
+    process_index=process_index,
+    process_count=process_count,
+  )
 
 
 def documents(batch: model.Batch) -> list[str]:
@@ -83,7 +96,9 @@ def documents(batch: model.Batch) -> list[str]:
   return out
 
 
-@pytest.mark.parametrize("kind", ["grain-jsonl", "grain-parquet", "grain-text", "grain-arrayrecord", "tfds", "hf-json", "hf-saved"])
+@pytest.mark.parametrize(
+  "kind", ["grain-jsonl", "grain-parquet", "grain-text", "grain-arrayrecord", "tfds", "hf-json", "hf-saved"]
+)
 def test_every_source_yields_exactly_the_documents(files, kind):
   it = open_data(files, kind)
   seen = []
@@ -108,7 +123,7 @@ def test_packing_segments_positions_and_targets(files):
   for inp, tgt, seg, pos, mask in zip(batch.inputs, batch.targets, batch.segment_ids, batch.positions, batch.mask):
     real = seg > 0
     np.testing.assert_array_equal(mask, real.astype(np.float32))
-    assert not real[np.argmin(real):].any() if not real.all() else True  # padding only at the end
+    assert not real[np.argmin(real) :].any() if not real.all() else True  # padding only at the end
     ids = seg[real]
     np.testing.assert_array_equal(np.unique(ids), np.arange(1, ids.max() + 1))  # segments 1..k in order
     assert np.all(np.diff(ids) >= 0)
@@ -170,7 +185,11 @@ def test_restored_iterator_yields_the_same_batches(files, kind):
 
 
 def test_tokenizers_of_each_kind(files):
-  kinds = [("sentencepiece", "sentencepiece", (1, 2)), ("huggingface", "hf_tokenizer", (1, 2)), ("tiktoken", "tiktoken", (BOS, EOS))]
+  kinds = [
+    ("sentencepiece", "sentencepiece", (1, 2)),
+    ("huggingface", "hf_tokenizer", (1, 2)),
+    ("tiktoken", "tiktoken", (BOS, EOS)),
+  ]
   for kind, path, (bos, eos) in kinds:
     tok = load_tokenizer(kind, files[path])
     assert (tok.bos_id, tok.eos_id) == (bos, eos)
@@ -191,16 +210,20 @@ def test_unreadable_tokenizer_is_one_line_error(tmp_path, kind):
 
 
 @pytest.mark.parametrize(
-    "kind, overrides, message",
-    [
-        ("grain-jsonl", ["grain_train_files=/nonexistent/*.jsonl"], "grain_train_files: /nonexistent/*.jsonl matches no files"),
-        ("grain-jsonl", ["train_data_columns=body"], "has no column 'body' (train_data_columns); it has: id, text"),
-        ("grain-arrayrecord", ["train_data_columns=body"], "has no column 'body' (train_data_columns); it has: text"),
-        ("tfds", ["dataset_name=no_such_dataset"], "cannot open tfds dataset no_such_dataset"),
-        ("hf-json", ["hf_train_files=/nonexistent/*.jsonl"], "hf_train_files: /nonexistent/*.jsonl matches no files"),
-        ("hf-json", ["hf_path=/nonexistent/dir"], "hf_path /nonexistent/dir is neither a local directory nor a builder"),
-        ("grain-jsonl", ["tokenizer_path=/nonexistent.model"], "tokenizer_path /nonexistent.model does not exist"),
-    ],
+  "kind, overrides, message",
+  [
+    (
+      "grain-jsonl",
+      ["grain_train_files=/nonexistent/*.jsonl"],
+      "grain_train_files: /nonexistent/*.jsonl matches no files",
+    ),
+    ("grain-jsonl", ["train_data_columns=body"], "has no column 'body' (train_data_columns); it has: id, text"),
+    ("grain-arrayrecord", ["train_data_columns=body"], "has no column 'body' (train_data_columns); it has: text"),
+    ("tfds", ["dataset_name=no_such_dataset"], "cannot open tfds dataset no_such_dataset"),
+    ("hf-json", ["hf_train_files=/nonexistent/*.jsonl"], "hf_train_files: /nonexistent/*.jsonl matches no files"),
+    ("hf-json", ["hf_path=/nonexistent/dir"], "hf_path /nonexistent/dir is neither a local directory nor a builder"),
+    ("grain-jsonl", ["tokenizer_path=/nonexistent.model"], "tokenizer_path /nonexistent.model does not exist"),
+  ],
 )
 def test_missing_data_is_one_line_error(files, kind, overrides, message):
   with pytest.raises(UserError) as e:
@@ -214,14 +237,16 @@ def test_tokenizer_larger_than_vocab_is_an_error(files):
 
 
 @pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["dataset_type=grain"], "grain_train_files: dataset_type=grain needs grain_train_files"),
-        (["dataset_type=tfds", "tokenizer_path=t.model"], "dataset_name: dataset_type=tfds needs dataset_name"),
-        (["dataset_type=hf", "hf_path=json"], "tokenizer_path: dataset_type=hf needs a tokenizer file"),
-        (["dataset_type=hf", "hf_path=json", "tokenizer_path=t", "attention=cudnn_flash"],
-         "packing: packed rows need segment-aware attention: set attention=dot_product"),
-    ],
+  "overrides, message",
+  [
+    (["dataset_type=grain"], "grain_train_files: dataset_type=grain needs grain_train_files"),
+    (["dataset_type=tfds", "tokenizer_path=t.model"], "dataset_name: dataset_type=tfds needs dataset_name"),
+    (["dataset_type=hf", "hf_path=json"], "tokenizer_path: dataset_type=hf needs a tokenizer file"),
+    (
+      ["dataset_type=hf", "hf_path=json", "tokenizer_path=t", "attention=cudnn_flash"],
+      "packing: packed rows need segment-aware attention: set attention=dot_product",
+    ),
+  ],
 )
 def test_config_checks_for_real_data(overrides, message):
   with pytest.raises(UserError, match=message.replace("(", r"\(")):
@@ -230,10 +255,23 @@ def test_config_checks_for_real_data(overrides, message):
 
 def test_cli_missing_dataset_exits_2_and_writes_nothing(tmp_path, files):
   out = tmp_path / "runs"
-  args = ["dataset_type=grain", "grain_file_type=jsonl", "grain_train_files=/nonexistent/*.jsonl", "tokenizer_type=tiktoken",
-          f"tokenizer_path={files['tiktoken']}", "vocab_size=320", f"base_output_directory={out}"]
-  proc = subprocess.run([sys.executable, "-m", "MaxText.train", str(TINY_RECIPE), *args], cwd=REPO,
-                        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+  args = [
+    "dataset_type=grain",
+    "grain_file_type=jsonl",
+    "grain_train_files=/nonexistent/*.jsonl",
+    "tokenizer_type=tiktoken",
+    f"tokenizer_path={files['tiktoken']}",
+    "vocab_size=320",
+    f"base_output_directory={out}",
+  ]
+  proc = subprocess.run(
+    [sys.executable, "-m", "MaxText.train", str(TINY_RECIPE), *args],
+    cwd=REPO,
+    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().splitlines() == ["error: grain_train_files: /nonexistent/*.jsonl matches no files"]
   assert not out.exists()
@@ -262,15 +300,24 @@ def test_packed_documents_do_not_see_each_other(tiny_config):
   np.testing.assert_allclose(logits[0, 5:12], logits[1, :7], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(logits[0, :5], logits[2, :5], rtol=1e-5, atol=1e-5)
   # and without segment ids, doc B would see doc A: the check above is not vacuous
-  _, _, unpacked = model.forward(p, bias, batch._replace(segment_ids=None, positions=None), cfg.model, cfg.moe, Sharder())
+  _, _, unpacked = model.forward(
+    p, bias, batch._replace(segment_ids=None, positions=None), cfg.model, cfg.moe, Sharder()
+  )
   assert not np.allclose(unpacked[0, 5:12], logits[1, :7], atol=1e-4)
 
 
 def test_pretokenized_column_is_used_as_is(tmp_path):
   rows = [{"ids": list(range(i, i + 3 + i % 5))} for i in range(10)]
   (tmp_path / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  keys = ["dataset_type=grain", "grain_file_type=jsonl", f"grain_train_files={tmp_path / 'ids.jsonl'}", "tokenize_train_data=false",
-          "train_data_columns=ids", "packing=false", "enable_data_shuffling=false"]
+  keys = [
+    "dataset_type=grain",
+    "grain_file_type=jsonl",
+    f"grain_train_files={tmp_path / 'ids.jsonl'}",
+    "tokenize_train_data=false",
+    "train_data_columns=ids",
+    "packing=false",
+    "enable_data_shuffling=false",
+  ]
   cfg = load_config(TINY_RECIPE, keys)
   batch = next(make_iterator(cfg.data, local_batch=2, global_batch=2, seq_len=16, vocab_size=256))
   for r, row in enumerate(rows[:2]):

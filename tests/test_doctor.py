@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 def run_doctor(*args: str) -> subprocess.CompletedProcess:
   # A GPU or an odd platform choice in the caller's environment must not change what the tests see.
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "-m", "MaxText.doctor", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, "-m", "MaxText.doctor", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+  )
 
 
 def test_reports_jax_version_and_cpu_platform():
@@ -51,7 +53,9 @@ def test_unknown_argument_is_one_error_line_and_exit_2():
 
 def test_missing_optional_package_is_missing_but_not_required(monkeypatch):
   real_find_spec = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real_find_spec(name, *a))
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real_find_spec(name, *a)
+  )
   checks = {c.name: c for c in doctor.collect()}
   te = checks["transformer_engine"]
   assert te.status == "missing" and not te.required
@@ -60,7 +64,10 @@ def test_missing_optional_package_is_missing_but_not_required(monkeypatch):
 
 
 def test_required_piece_not_ok_makes_report_unusable():
-  checks = [doctor.Check("python", "ok", "", required=True), doctor.Check("jax backend", "unusable", "no devices", required=True)]
+  checks = [
+    doctor.Check("python", "ok", "", required=True),
+    doctor.Check("jax backend", "unusable", "no devices", required=True),
+  ]
   assert not doctor.usable(checks)
   assert "required pieces not usable: jax backend (unusable)" in doctor.format_text(checks)
 

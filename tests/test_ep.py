@@ -29,7 +29,9 @@ BATCH, SEQ = 8, 8  # 64 tokens: 8 per device
 EP, FSDP = 4, 2  # 4 expert-parallel ranks (4 experts each), two independent token groups
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None):
+def _emulated_ragged_all_to_all(
+  operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None
+):
   """jax.lax.ragged_all_to_all as its docstring defines it, out of dense all_to_all (runs on CPU)."""
   assert axis_index_groups is None
   n, rest = operand.shape[0], operand.shape[1:]
@@ -48,8 +50,15 @@ def _ragged_on_cpu(monkeypatch):
 
 
 def _cfg(tiny_config, *overrides):
-  return tiny_config(f"num_experts={E}", f"num_experts_per_tok={K}", "n_routing_groups=1", "topk_routing_group=1",
-                     f"ici_expert_parallelism={EP}", f"ici_fsdp_parallelism={FSDP}", *overrides).moe
+  return tiny_config(
+    f"num_experts={E}",
+    f"num_experts_per_tok={K}",
+    "n_routing_groups=1",
+    "topk_routing_group=1",
+    f"ici_expert_parallelism={EP}",
+    f"ici_fsdp_parallelism={FSDP}",
+    *overrides,
+  ).moe
 
 
 def _routing(kind: str, tokens=BATCH * SEQ, seed=0):
@@ -127,7 +136,10 @@ def _remote(ids, local=E // EP):
 def test_backend_equals_single_device_for_every_routing(tiny_config, backend):
   mesh = make_mesh(_cfg_mesh(tiny_config))
   experts, x, cot = _inputs()
-  steps = {dedup: _ep_step(_cfg(tiny_config, f"moe_dispatch={backend}", f"moe_dedup={dedup}"), mesh) for dedup in ("false", "true")}
+  steps = {
+    dedup: _ep_step(_cfg(tiny_config, f"moe_dispatch={backend}", f"moe_dedup={dedup}"), mesh)
+    for dedup in ("false", "true")
+  }
   row_bytes = D * 4
   for kind in ROUTINGS:
     ids, w = _routing(kind)
@@ -193,8 +205,17 @@ def test_config_checks(tiny_config):
 
 
 # ---- the whole training step ----
-STEP = ("max_target_length=16", "per_device_batch_size=2", "learning_rate=1e-2", "warmup_steps_fraction=0", "remat_policy=none",
-        "ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "base_num_decoder_layers=2", "mtp_num_layers=0")  # one MoE layer: fast compiles
+STEP = (
+  "max_target_length=16",
+  "per_device_batch_size=2",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0",
+  "remat_policy=none",
+  "ici_expert_parallelism=4",
+  "ici_fsdp_parallelism=2",
+  "base_num_decoder_layers=2",
+  "mtp_num_layers=0",
+)  # one MoE layer: fast compiles
 
 
 def _losses(cfg, steps=2):
@@ -216,7 +237,9 @@ def test_train_step_with_expert_parallelism_equals_sort(tiny_config):
   for overrides in (("moe_dispatch=dense_a2a", "moe_dedup=true"), ("moe_dispatch=allgather",)):
     got = _losses(tiny_config(*STEP, "steps=2", *overrides))
     for key in ("loss", "grad_norm", "expert_load_max"):
-      np.testing.assert_allclose([m[key] for m in got], [m[key] for m in reference], rtol=2e-5, err_msg=f"{overrides} {key}")
+      np.testing.assert_allclose(
+        [m[key] for m in got], [m[key] for m in reference], rtol=2e-5, err_msg=f"{overrides} {key}"
+      )
     assert all(m["ep_overflow"] == 0 and m["ep_sent_bytes"] > 0 for m in got)
     if "moe_dedup=true" in overrides:
       assert all(m["ep_sent_bytes"] < m["ep_sent_bytes_nodedup"] for m in got)
@@ -226,7 +249,14 @@ def test_train_step_with_expert_parallelism_equals_sort(tiny_config):
 def test_overflow_stops_the_run_before_the_update(tiny_config, tmp_path, capsys):
   from MaxText.train import EpBufferOverflow, train
 
-  cfg = tiny_config(*STEP, "steps=3", "moe_dispatch=dense_a2a", "moe_ep_buffer_factor=0.25", f"base_output_directory={tmp_path}", "run_name=ep")
+  cfg = tiny_config(
+    *STEP,
+    "steps=3",
+    "moe_dispatch=dense_a2a",
+    "moe_ep_buffer_factor=0.25",
+    f"base_output_directory={tmp_path}",
+    "run_name=ep",
+  )
   with pytest.raises(EpBufferOverflow, match="moe_ep_buffer_factor=0.25"):
     train(cfg)
   assert "EP OVERFLOW" in capsys.readouterr().out
@@ -252,5 +282,7 @@ def test_dispatch_benchmark_cpu_dry_run(tmp_path):
       assert r["check"] == "ok" and r["dispatch_ms"] > 0 and r["combine_ms"] > 0 and r["dispatch_of_ceiling"] > 0
   assert by[("dense_a2a", True)]["payload_bytes_per_gpu"] < by[("dense_a2a", False)]["payload_bytes_per_gpu"]
   assert by[("dense_a2a", True)]["duplicate_fraction_remote"] > 0
-  assert all(r["fwd_bwd_ms"] > 0 and r["overflow"] == 0 for r in results["layer"] if r["backend"] in ("dense_a2a", "allgather"))
+  assert all(
+    r["fwd_bwd_ms"] > 0 and r["overflow"] == 0 for r in results["layer"] if r["backend"] in ("dense_a2a", "allgather")
+  )
   assert "nvidia-smi topo -m" in (tmp_path / "moe_dispatch.md").read_text()

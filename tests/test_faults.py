@@ -7,7 +7,6 @@ The runs share a persistent compilation cache, so only the first one compiles th
 """
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -27,22 +26,42 @@ def env(tmp_path_factory):
   d = tmp_path_factory.mktemp("faults")
   docs = build.corpus(60)
   return {
-      "dir": d,
-      "data": str(build.write_jsonl(d / "docs.jsonl", docs)),
-      "tokenizer": str(build.word_tokenizer(d / "tokenizer.json", docs)),
-      "vars": {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-               "JAX_COMPILATION_CACHE_DIR": str(d / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"},
+    "dir": d,
+    "data": str(build.write_jsonl(d / "docs.jsonl", docs)),
+    "tokenizer": str(build.word_tokenizer(d / "tokenizer.json", docs)),
+    "vars": {
+      "PATH": "/usr/bin:/bin",
+      "JAX_PLATFORMS": "cpu",
+      "PYTHONPATH": str(REPO),
+      "JAX_COMPILATION_CACHE_DIR": str(d / "jax-cache"),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    },
   }
 
 
 def args(env, run_name, *overrides):
-  return [str(TINY_RECIPE), "dataset_type=grain", "grain_file_type=jsonl", f"grain_train_files={env['data']}",
-          "tokenizer_type=huggingface", f"tokenizer_path={env['tokenizer']}", "packing=true",
-          "per_device_batch_size=4", "max_target_length=32", "remat_policy=none", "enable_tensorboard=false",
-          f"steps={STEPS}", f"checkpoint_period={PERIOD}", "log_period=1", "compile_heartbeat_seconds=0",
-          f"learning_rate_schedule_steps={STEPS}",  # a schedule independent of steps: one compiled step for all runs
-          f"base_output_directory={env['dir'] / 'runs'}", f"run_name={run_name}", *overrides]
+  return [
+    str(TINY_RECIPE),
+    "dataset_type=grain",
+    "grain_file_type=jsonl",
+    f"grain_train_files={env['data']}",
+    "tokenizer_type=huggingface",
+    f"tokenizer_path={env['tokenizer']}",
+    "packing=true",
+    "per_device_batch_size=4",
+    "max_target_length=32",
+    "remat_policy=none",
+    "enable_tensorboard=false",
+    f"steps={STEPS}",
+    f"checkpoint_period={PERIOD}",
+    "log_period=1",
+    "compile_heartbeat_seconds=0",
+    f"learning_rate_schedule_steps={STEPS}",  # a schedule independent of steps: one compiled step for all runs
+    f"base_output_directory={env['dir'] / 'runs'}",
+    f"run_name={run_name}",
+    *overrides,
+  ]
 
 
 def train_cmd(*argv):
@@ -54,7 +73,9 @@ def run(env, argv, cmd=None):
 
 
 def start(env, argv):
-  return subprocess.Popen(train_cmd(*argv), cwd=REPO, env=env["vars"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+    train_cmd(*argv), cwd=REPO, env=env["vars"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
 
 
 def wait_for_step(proc, step: int) -> list[str]:
@@ -112,7 +133,10 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(env):
   assert m and int(m.group(2)) == int(m.group(1)) + 1, out
   saved = int(m.group(2))
   assert checkpoints(env, "preempted") == [saved]  # not a multiple of checkpoint_period: saved for the signal
-  assert json.loads((env["dir"] / "runs" / "preempted" / "summary.json").read_text())["stopped"] == f"SIGTERM at step {saved}"
+  assert (
+    json.loads((env["dir"] / "runs" / "preempted" / "summary.json").read_text())["stopped"]
+    == f"SIGTERM at step {saved}"
+  )
 
   again = run(env, args(env, "preempted", f"steps={saved + 2}", "checkpoint_period=1000"))
   assert again.returncode == 0, again.stderr
@@ -140,16 +164,25 @@ def test_nan_stops_with_the_last_checkpoint_intact_and_skip_goes_past_it(env):
   stopped = run(env, None, cmd=[sys.executable, "-c", POISONED.format(poison_call=7, argv=args(env, "nan"))])
   assert stopped.returncode == 1, stopped.stderr
   last = stopped.stderr.strip().splitlines()[-1]
-  assert re.fullmatch(r"error: step 6: loss nan, grad norm nan: not finite; stopped \(nan_policy=stop\); "
-                      r"the last checkpoint is step 4 in \S+\. "
-                      r"Resume from it with a lower learning_rate, or set nan_policy=skip", last), last
+  assert re.fullmatch(
+    r"error: step 6: loss nan, grad norm nan: not finite; stopped \(nan_policy=stop\); "
+    r"the last checkpoint is step 4 in \S+\. "
+    r"Resume from it with a lower learning_rate, or set nan_policy=skip",
+    last,
+  ), last
   assert checkpoints(env, "nan") == [4]
 
   # The step-4 checkpoint still loads and trains; with nan_policy=skip the poisoned step 6 leaves the state unchanged.
-  skipped = run(env, None, cmd=[sys.executable, "-c", POISONED.format(poison_call=3, argv=args(env, "nan", "steps=10", "nan_policy=skip"))])
+  skipped = run(
+    env,
+    None,
+    cmd=[sys.executable, "-c", POISONED.format(poison_call=3, argv=args(env, "nan", "steps=10", "nan_policy=skip"))],
+  )
   assert skipped.returncode == 0, skipped.stderr
   assert "(step 4)" in skipped.stdout
-  assert "step 6: loss nan, grad norm nan: not finite; step skipped, state unchanged (nan_policy=skip)" in skipped.stdout
+  assert (
+    "step 6: loss nan, grad norm nan: not finite; step skipped, state unchanged (nan_policy=skip)" in skipped.stdout
+  )
   rows = metrics(env, "nan")
   assert rows[6]["nonfinite"] == 1 and all(rows[s]["nonfinite"] == 0 for s in (4, 5, 7, 8, 9))
   assert all(rows[s]["loss"] == rows[s]["loss"] for s in (7, 8, 9))  # finite again after the skipped step

@@ -16,11 +16,11 @@ from MaxText import params
 from MaxText.sharding import Sharder
 
 SIZES = {
-    "balanced": [8, 8, 8, 8],
-    "empty groups": [0, 20, 0, 12],
-    "one group": [0, 0, 32, 0],
-    "not tile multiples": [5, 13, 1, 11],
-    "padding rows": [3, 7, 0, 10],  # sums to 20 of 32 rows
+  "balanced": [8, 8, 8, 8],
+  "empty groups": [0, 20, 0, 12],
+  "one group": [0, 0, 32, 0],
+  "not tile multiples": [5, 13, 1, 11],
+  "padding rows": [3, 7, 0, 10],  # sums to 20 of 32 rows
 }
 
 
@@ -43,7 +43,9 @@ def test_custom_vjp_matches_autodiff_of_ragged_dot(case):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
   # and under jit + grad of a scalar loss, as training uses it
   loss = lambda f: lambda x, w: jnp.sum(f(x, w, sizes)[:valid] ** 2)  # noqa: E731
-  for got, want in zip(jax.jit(jax.grad(loss(rule), argnums=(0, 1)))(x, w), jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x, w)):
+  for got, want in zip(
+    jax.jit(jax.grad(loss(rule), argnums=(0, 1)))(x, w), jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x, w)
+  ):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -68,7 +70,9 @@ def test_moe_layer_with_padded_backend_equals_xla(tiny_config):
 
 def test_registry_and_clear_errors(tiny_config):
   assert set(gmm.CHOICES) == {"xla", "padded", "mosaic", "tokamax", "te", "auto"}
-  with pytest.raises(ValueError, match="unknown moe_gmm_backend 'cutlass'; choose one of: xla, padded, mosaic, tokamax, te, auto"):
+  with pytest.raises(
+    ValueError, match="unknown moe_gmm_backend 'cutlass'; choose one of: xla, padded, mosaic, tokamax, te, auto"
+  ):
     gmm.get_gmm("cutlass")
   for name in ("te", "tokamax"):
     if not gmm.available(name):
@@ -116,8 +120,14 @@ def test_auto_resolves_by_device_and_says_why():
   assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA A100", "8.0"), "bfloat16")[0] == "xla"
   assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "float32")[0] == "xla"
   assert gmm.resolve("xla", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == ("xla", "chosen in the config")
-  assert gmm.resolve("mosaic", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == ("mosaic", "chosen in the config")
-  with pytest.raises(ValueError, match="moe_gmm_backend=mosaic runs Hopper .sm_90. wgmma kernels; NVIDIA B200 is sm_100: choose moe_gmm_backend=auto or xla"):
+  assert gmm.resolve("mosaic", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == (
+    "mosaic",
+    "chosen in the config",
+  )
+  with pytest.raises(
+    ValueError,
+    match="moe_gmm_backend=mosaic runs Hopper .sm_90. wgmma kernels; NVIDIA B200 is sm_100: choose moe_gmm_backend=auto or xla",
+  ):
     gmm.resolve("mosaic", FakeDevice("gpu", "NVIDIA B200", "10.0"), "bfloat16")
 
 
@@ -130,10 +140,31 @@ def test_hopper_kernels_on_a_blackwell_plan_are_one_line_and_exit_2():
   if not (site / "jax_plugins").is_dir():
     pytest.skip(f"CUDA plugin not installed in {site}")
   env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.run([sys.executable, "-m", "MaxText.aot", "recipes/deepseek_v3_tiny.yml", "--gpu", "b200", "--num-gpus", "1", "moe_gmm_backend=mosaic", "dtype=bfloat16"],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "MaxText.aot",
+      "recipes/deepseek_v3_tiny.yml",
+      "--gpu",
+      "b200",
+      "--num-gpus",
+      "1",
+      "moe_gmm_backend=mosaic",
+      "dtype=bfloat16",
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 2, proc.stderr[-2000:]
-  assert proc.stderr.strip().splitlines()[-1].endswith("choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)"), proc.stderr[-2000:]
+  assert (
+    proc.stderr.strip()
+    .splitlines()[-1]
+    .endswith("choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)")
+  ), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
 
 
@@ -146,7 +177,11 @@ def test_mosaic_tiles_and_padding():
     assert k % mosaic.PAD == 0 and n % mosaic.PAD == 0
     if regime:  # a group-count regime ("g32") is what that many groups, or nearby counts, get
       groups = int(regime[0].removeprefix("g"))
-      assert mosaic.tiles_for(kernel, k, n, groups) == mosaic.tiles_for(kernel, k, n, groups + 1) == dict(zip(mosaic.TILE_NAMES, tiles))
+      assert (
+        mosaic.tiles_for(kernel, k, n, groups)
+        == mosaic.tiles_for(kernel, k, n, groups + 1)
+        == dict(zip(mosaic.TILE_NAMES, tiles))
+      )
     else:
       assert mosaic.tiles_for(kernel, k, n) == dict(zip(mosaic.TILE_NAMES, tiles))
 
@@ -157,11 +192,20 @@ def test_mosaic_tile_schedule_skips_nothing_and_owns_every_row_once():
   from MaxText.moe.gmm import mosaic_kernels
 
   block_m, m = 128, 1000
-  for sizes in ([1000, 0, 0, 0], [0, 0, 0, 1000], [128, 128, 744, 0], [1, 127, 129, 743], [0, 500, 0, 500], [250, 250, 250, 250]):
-    group, block, first, owned = (np.asarray(a) for a in mosaic_kernels.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m))
+  for sizes in (
+    [1000, 0, 0, 0],
+    [0, 0, 0, 1000],
+    [128, 128, 744, 0],
+    [1, 127, 129, 743],
+    [0, 500, 0, 500],
+    [250, 250, 250, 250],
+  ):
+    group, block, first, owned = (
+      np.asarray(a) for a in mosaic_kernels.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
+    )
     assert len(group) == -(-m // block_m) + len(sizes) - 1
     live = owned > 0
-    assert live[: live.sum()].all() and not live[live.sum():].any(), "live tiles first"
+    assert live[: live.sum()].all() and not live[live.sum() :].any(), "live tiles first"
     rows = np.concatenate([block[t] * block_m + first[t] + np.arange(owned[t]) for t in np.flatnonzero(live)])
     np.testing.assert_array_equal(np.sort(rows), np.arange(m))
     expected_group = np.repeat(np.arange(len(sizes)), sizes)
@@ -186,7 +230,9 @@ def test_custom_vjp_inside_shard_map_types_results_and_sums_weight_gradients():
   sizes = jnp.array([10, 6], jnp.int32)
   x = jax.random.normal(jax.random.key(0), (64, 8))
   w = jax.random.normal(jax.random.key(1), (2, 8, 6))
-  per_device = jax.shard_map(lambda x, w: rule(x, w, sizes), mesh=mesh, in_specs=(P(("data", "expert")), P()), out_specs=P(("data", "expert")))
+  per_device = jax.shard_map(
+    lambda x, w: rule(x, w, sizes), mesh=mesh, in_specs=(P(("data", "expert")), P()), out_specs=P(("data", "expert"))
+  )
   xs, ws = jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))), jax.device_put(w, NamedSharding(mesh, P()))
   got = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(per_device(x, w))), argnums=(0, 1)))(xs, ws)
   shards = lambda x, w: sum(jnp.sum(jnp.sin(vjp.xla_fwd(x[i * 16 : (i + 1) * 16], w, sizes))) for i in range(4))  # noqa: E731

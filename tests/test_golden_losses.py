@@ -27,7 +27,7 @@ def test_losses_equal_the_golden_file_bit_for_bit(case):
   for key in ("loss", "grad_norm"):
     differ = [i for i, (a, b) in enumerate(zip(now[key], golden[key])) if a != b]
     assert not differ, (
-        f"{case}: {key} differs from the golden file from step {differ[0]} "
-        f"(now {float.fromhex(now[key][differ[0]])!r}, golden {float.fromhex(golden[key][differ[0]])!r}); "
-        f"a deliberate change regenerates {ASSETS.name}/{case}.json in a commit of its own"
+      f"{case}: {key} differs from the golden file from step {differ[0]} "
+      f"(now {float.fromhex(now[key][differ[0]])!r}, golden {float.fromhex(golden[key][differ[0]])!r}); "
+      f"a deliberate change regenerates {ASSETS.name}/{case}.json in a commit of its own"
     )

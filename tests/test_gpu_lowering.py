@@ -17,12 +17,17 @@ PLUGIN_SITE = Path(os.environ.get("MAXTEXT_GPU_AOT_SITE", REPO / ".venv" / "gpu-
 SCRIPT = REPO / "tests" / "compile_only" / "lower_for_gpu.py"
 
 if not (PLUGIN_SITE / "jax_plugins").is_dir():
-  pytest.skip(f"CUDA plugin not installed in {PLUGIN_SITE}: run `make install` (pip install --no-deps --target {PLUGIN_SITE} -r requirements-gpu-aot.txt)", allow_module_level=True)
+  pytest.skip(
+    f"CUDA plugin not installed in {PLUGIN_SITE}: run `make install` (pip install --no-deps --target {PLUGIN_SITE} -r requirements-gpu-aot.txt)",
+    allow_module_level=True,
+  )
 
 
 def lower(*args: str) -> dict:
   env = {**os.environ, "PYTHONPATH": f"{PLUGIN_SITE}:{REPO}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(
+    [sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+  )
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   return json.loads(lines[-1].removeprefix("RESULT "))
@@ -30,7 +35,14 @@ def lower(*args: str) -> dict:
 
 def test_train_step_compiles_for_eight_h200s_with_fsdp_and_tensor_parallelism():
   # attention=cudnn_flash needs the cuDNN library at trace time, so it is checked on the GPU (tests/gpu/).
-  result = lower("train_step", str(TINY_RECIPE), "dtype=bfloat16", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=2")
+  result = lower(
+    "train_step",
+    str(TINY_RECIPE),
+    "dtype=bfloat16",
+    "ici_fsdp_parallelism=4",
+    "ici_tensor_parallelism=2",
+    "per_device_batch_size=2",
+  )
   assert result["device_kind"] == "NVIDIA H200"
   assert result["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
   assert {"all-gather", "reduce-scatter"} <= set(result["collectives"])  # FSDP gathers weights, scatters grads
@@ -39,7 +51,12 @@ def test_train_step_compiles_for_eight_h200s_with_fsdp_and_tensor_parallelism():
 
 def test_mosaic_grouped_gemm_lowers_for_h200():
   result = lower("mosaic_gmm")
-  assert result == {"device_kind": "NVIDIA H200", "mosaic_custom_call": True, "ours_fwd_bwd_mosaic_kernels": 3, "ours_ws_fwd_bwd_mosaic_kernels": 3}
+  assert result == {
+    "device_kind": "NVIDIA H200",
+    "mosaic_custom_call": True,
+    "ours_fwd_bwd_mosaic_kernels": 3,
+    "ours_ws_fwd_bwd_mosaic_kernels": 3,
+  }
 
 
 def test_permute_row_gather_reads_a_materialised_index_on_h200():
@@ -53,8 +70,16 @@ def test_permute_row_gather_reads_a_materialised_index_on_h200():
 def test_ragged_all_to_all_expert_parallelism_compiles_for_eight_h200s():
   # XLA:CPU has no ragged all-to-all, so this path is checked by compiling the MoE layer's forward
   # and backward for 8 compile-only H200s (EP=8, dedup on).
-  result = lower("ep_layer", str(TINY_RECIPE), "dtype=bfloat16", "ici_expert_parallelism=8", "moe_dispatch=ragged_a2a", "moe_dedup=true",
-                 "num_experts=16", "per_device_batch_size=2")
+  result = lower(
+    "ep_layer",
+    str(TINY_RECIPE),
+    "dtype=bfloat16",
+    "ici_expert_parallelism=8",
+    "moe_dispatch=ragged_a2a",
+    "moe_dedup=true",
+    "num_experts=16",
+    "per_device_batch_size=2",
+  )
   assert result["device_kind"] == "NVIDIA H200" and result["mesh"]["expert"] == 8
   assert "ragged-all-to-all" in result["collectives"]
 
@@ -64,8 +89,18 @@ def test_offloaded_activations_live_in_host_memory_on_h200(tiny_config):
   host memory (S(5)), exactly their bytes for the two scanned MoE layers."""
   from MaxText import remat
 
-  overrides = ("dtype=bfloat16", "per_device_batch_size=2", "max_target_length=16", "mtp_num_layers=0", "base_num_decoder_layers=4",
-               "first_num_dense_layers=2", "remat_policy=custom", "decoder_layer_input=offload", "moe_mlpwi_0=offload", "moe_mlpwi_1=offload")
+  overrides = (
+    "dtype=bfloat16",
+    "per_device_batch_size=2",
+    "max_target_length=16",
+    "mtp_num_layers=0",
+    "base_num_decoder_layers=4",
+    "first_num_dense_layers=2",
+    "remat_policy=custom",
+    "decoder_layer_input=offload",
+    "moe_mlpwi_0=offload",
+    "moe_mlpwi_1=offload",
+  )
   result = lower("memory", str(TINY_RECIPE), *overrides)
   cfg = tiny_config(*overrides)
   dense, moe = (remat.tensor_bytes(cfg.model, cfg.moe, 2, 16, kind) for kind in ("dense", "moe"))

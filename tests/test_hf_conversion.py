@@ -31,37 +31,98 @@ from conftest import REPO
 
 REFERENCE = REPO / "tests" / "hf_reference" / "reference.py"
 BATCH, SEQ, VOCAB = 2, 20, 96
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=2,
-              num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-              n_routed_experts=8, max_position_embeddings=64, rms_norm_eps=1e-6)
+YARN = {
+  "rope_type": "yarn",
+  "rope_theta": 10000.0,
+  "factor": 4.0,
+  "original_max_position_embeddings": 16,
+  "beta_fast": 32.0,
+  "beta_slow": 1.0,
+  "mscale": 1.0,
+  "mscale_all_dim": 1.0,
+}
+COMMON = dict(
+  vocab_size=VOCAB,
+  hidden_size=32,
+  intermediate_size=64,
+  moe_intermediate_size=16,
+  num_attention_heads=2,
+  num_key_value_heads=2,
+  kv_lora_rank=16,
+  q_lora_rank=24,
+  qk_rope_head_dim=8,
+  qk_nope_head_dim=8,
+  v_head_dim=12,
+  n_routed_experts=8,
+  max_position_embeddings=64,
+  rms_norm_eps=1e-6,
+)
 # Between them: group-limited routing on and off, 1 and 2 shared experts, with and without dense first
 # layers, norm_topk_prob on and off, routed_scaling_factor 2.5 / 1 / 1.5, YaRN (two mscales) and plain RoPE,
 # both rotary layouts, low-rank and full-rank queries, float32 / bfloat16 / FP8 weights, an MTP module.
 CASES = {
-    "groups_yarn_mtp": {
-        "config": dict(COMMON, num_hidden_layers=3, first_k_dense_replace=1, n_group=4, topk_group=2, num_experts_per_tok=3,
-                       n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=YARN),
-        "mtp": True,
-    },
-    "plain": {
-        "config": dict(COMMON, num_hidden_layers=2, first_k_dense_replace=0, n_group=1, topk_group=1, num_experts_per_tok=2,
-                       n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.0, q_lora_rank=None,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    },
-    "halves_bf16": {
-        "config": dict(COMMON, num_hidden_layers=3, first_k_dense_replace=2, n_group=2, topk_group=1, num_experts_per_tok=2,
-                       n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=1.5, rope_interleave=False,
-                       rope_parameters=dict(YARN, factor=2.0, original_max_position_embeddings=32, mscale=0.707, mscale_all_dim=0.707)),
-        "dtype": "bfloat16",
-    },
-    "fp8": {
-        "config": dict(COMMON, num_hidden_layers=2, first_k_dense_replace=1, n_group=4, topk_group=2, num_experts_per_tok=3,
-                       n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=YARN),
-        "dtype": "bfloat16",
-        "fp8_block": [16, 12],  # blocks that do not divide the weights: the edge blocks are cut
-    },
+  "groups_yarn_mtp": {
+    "config": dict(
+      COMMON,
+      num_hidden_layers=3,
+      first_k_dense_replace=1,
+      n_group=4,
+      topk_group=2,
+      num_experts_per_tok=3,
+      n_shared_experts=1,
+      norm_topk_prob=True,
+      routed_scaling_factor=2.5,
+      rope_parameters=YARN,
+    ),
+    "mtp": True,
+  },
+  "plain": {
+    "config": dict(
+      COMMON,
+      num_hidden_layers=2,
+      first_k_dense_replace=0,
+      n_group=1,
+      topk_group=1,
+      num_experts_per_tok=2,
+      n_shared_experts=2,
+      norm_topk_prob=False,
+      routed_scaling_factor=1.0,
+      q_lora_rank=None,
+      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+  },
+  "halves_bf16": {
+    "config": dict(
+      COMMON,
+      num_hidden_layers=3,
+      first_k_dense_replace=2,
+      n_group=2,
+      topk_group=1,
+      num_experts_per_tok=2,
+      n_shared_experts=1,
+      norm_topk_prob=True,
+      routed_scaling_factor=1.5,
+      rope_interleave=False,
+      rope_parameters=dict(YARN, factor=2.0, original_max_position_embeddings=32, mscale=0.707, mscale_all_dim=0.707),
+    ),
+    "dtype": "bfloat16",
+  },
+  "fp8": {
+    "config": dict(
+      COMMON,
+      num_hidden_layers=2,
+      first_k_dense_replace=1,
+      n_group=4,
+      topk_group=2,
+      num_experts_per_tok=3,
+      n_shared_experts=1,
+      norm_topk_prob=True,
+      routed_scaling_factor=2.5,
+      rope_parameters=YARN,
+    ),
+    "dtype": "bfloat16",
+    "fp8_block": [16, 12],  # blocks that do not divide the weights: the edge blocks are cut
+  },
 }
 
 
@@ -78,6 +139,7 @@ def run_cli(main, argv, capsys):
 
 
 # ---- the transformers reference ----
+
 
 @pytest.fixture(scope="session")
 def reference_python():
@@ -104,7 +166,16 @@ def hf_models(reference_python, tmp_path_factory):
   for i, (name, case) in enumerate(CASES.items()):
     ids = root / f"{name}-ids.npy"
     np.save(ids, rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
-    plan.append({"name": name, "dir": str(root / name), "seed": i, "ids": str(ids), "logits": str(root / f"{name}-logits.npy"), **case})
+    plan.append(
+      {
+        "name": name,
+        "dir": str(root / name),
+        "seed": i,
+        "ids": str(ids),
+        "logits": str(root / f"{name}-logits.npy"),
+        **case,
+      }
+    )
   results = run_reference(reference_python, "build", plan, root)
   return {p["name"]: {**p, **results[p["name"]]} for p in plan}
 
@@ -139,7 +210,12 @@ def test_model_config_carries_the_hf_config(converted):
   assert (m.rope_type, m.rope_factor, m.original_max_position_embeddings, m.mscale) == ("yarn", 4.0, 16, 1.0)
   assert moe.routed_scaling_factor == 2.5 and moe.norm_topk_prob and moe.routed_bias
   plain = load_config(converted["plain"] / checkpoint.MODEL_CONFIG)
-  assert (plain.model.q_lora_rank, plain.model.rope_type, plain.moe.n_routing_groups, plain.moe.shared_experts) == (0, "default", 1, 2)
+  assert (plain.model.q_lora_rank, plain.model.rope_type, plain.moe.n_routing_groups, plain.moe.shared_experts) == (
+    0,
+    "default",
+    1,
+    2,
+  )
   assert not plain.moe.norm_topk_prob
 
 
@@ -159,7 +235,9 @@ def test_routing_bias_and_mtp_module_match_the_reference(hf_models, converted):
   assert abs(float(aux.mtp) - case["mtp_ce"]) < 1e-4 * case["mtp_ce"]
 
 
-def test_round_trip_gives_identical_tensors_that_transformers_loads(reference_python, hf_models, converted, tmp_path, capsys):
+def test_round_trip_gives_identical_tensors_that_transformers_loads(
+  reference_python, hf_models, converted, tmp_path, capsys
+):
   plan = []
   for name, case in hf_models.items():
     exported = tmp_path / name
@@ -184,8 +262,17 @@ def test_converted_model_trains_from_its_weights(hf_models, converted):
   from MaxText.train_step import TrainState, Trainer
 
   case, out = hf_models["plain"], converted["plain"]
-  cfg = load_config(out / checkpoint.MODEL_CONFIG, [f"per_device_batch_size={BATCH}", f"max_target_length={SEQ - 1}", "steps=4",
-                                                    "learning_rate=1e-2", "warmup_steps_fraction=0", "remat_policy=none"])
+  cfg = load_config(
+    out / checkpoint.MODEL_CONFIG,
+    [
+      f"per_device_batch_size={BATCH}",
+      f"max_target_length={SEQ - 1}",
+      "steps=4",
+      "learning_rate=1e-2",
+      "warmup_steps_fraction=0",
+      "remat_policy=none",
+    ],
+  )
   trainer = Trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))  # one device: this is about the weights, not sharding
   abstract = with_shardings(trainer.abstract_state(), trainer.state_shardings)
   p = checkpoint.load_params(out, abstract.params)
@@ -208,9 +295,17 @@ def test_commands_run_as_modules(hf_models, tmp_path):
   case = hf_models["plain"]
   env = {**os.environ, "PYTHONPATH": str(REPO)}
   steps = [
-      ["MaxText.convert.hf_to_orbax", "--hf-dir", case["dir"], "--out", tmp_path / "ours"],
-      ["MaxText.score", "--checkpoint", tmp_path / "ours", "--input-ids", case["ids"], "--output", tmp_path / "logits.npy"],
-      ["MaxText.convert.orbax_to_hf", "--checkpoint", tmp_path / "ours", "--out", tmp_path / "back"],
+    ["MaxText.convert.hf_to_orbax", "--hf-dir", case["dir"], "--out", tmp_path / "ours"],
+    [
+      "MaxText.score",
+      "--checkpoint",
+      tmp_path / "ours",
+      "--input-ids",
+      case["ids"],
+      "--output",
+      tmp_path / "logits.npy",
+    ],
+    ["MaxText.convert.orbax_to_hf", "--checkpoint", tmp_path / "ours", "--out", tmp_path / "back"],
   ]
   for argv in steps:
     done = subprocess.run([sys.executable, "-m", *map(str, argv)], capture_output=True, text=True, env=env, cwd=REPO)
@@ -221,9 +316,22 @@ def test_commands_run_as_modules(hf_models, tmp_path):
 
 # ---- without torch: checkpoints written here, error cases, FP8 arithmetic, streaming memory ----
 
-SMALL_HF = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **COMMON, "num_hidden_layers": 2,
-            "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
-            "norm_topk_prob": True, "routed_scaling_factor": 1.0, "rope_theta": 10000.0, "num_nextn_predict_layers": 0, "dtype": "float32"}
+SMALL_HF = {
+  "architectures": ["DeepseekV3ForCausalLM"],
+  "model_type": "deepseek_v3",
+  **COMMON,
+  "num_hidden_layers": 2,
+  "first_k_dense_replace": 1,
+  "n_group": 2,
+  "topk_group": 1,
+  "num_experts_per_tok": 2,
+  "n_shared_experts": 1,
+  "norm_topk_prob": True,
+  "routed_scaling_factor": 1.0,
+  "rope_theta": 10000.0,
+  "num_nextn_predict_layers": 0,
+  "dtype": "float32",
+}
 
 
 def write_hf(directory: Path, config: dict = SMALL_HF, seed: int = 0) -> Path:
@@ -236,8 +344,11 @@ def write_hf(directory: Path, config: dict = SMALL_HF, seed: int = 0) -> Path:
   shapes = layout.leaf_shapes(cfg.model, cfg.moe)
   tensors = {e.hf_name: layout.hf_shape(e, shapes) for e in layout.entries(cfg.model, cfg.moe) if not e.alias}
   rng = np.random.default_rng(seed)
-  safetensors_io.write_file(directory / "model.safetensors", [(n, np.dtype(np.float32), s) for n, s in tensors.items()],
-                            lambda n: rng.standard_normal(tensors[n], np.float32))
+  safetensors_io.write_file(
+    directory / "model.safetensors",
+    [(n, np.dtype(np.float32), s) for n, s in tensors.items()],
+    lambda n: rng.standard_normal(tensors[n], np.float32),
+  )
   return directory
 
 
@@ -246,7 +357,9 @@ def rewrite(directory: Path, change) -> None:
   shards = safetensors_io.ShardedCheckpoint(directory)
   tensors = {n: shards.read(n) for n in shards.tensors}
   change(tensors)
-  safetensors_io.write_file(directory / "model.safetensors", [(n, a.dtype, a.shape) for n, a in tensors.items()], tensors.__getitem__)
+  safetensors_io.write_file(
+    directory / "model.safetensors", [(n, a.dtype, a.shape) for n, a in tensors.items()], tensors.__getitem__
+  )
 
 
 def assert_one_line_error(rc, out, err, contains):
@@ -260,6 +373,7 @@ def _edit_config(**changes):
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
     (d / "config.json").write_text(json.dumps(cfg))
+
   return edit
 
 
@@ -269,21 +383,43 @@ def _fp8_without_scales(d):
 
 
 HF_TO_ORBAX_ERRORS = {
-    "no config.json": (lambda d: (d / "config.json").unlink(), "config.json does not exist"),
-    "no shards": (lambda d: (d / "model.safetensors").unlink(), "holds no *.safetensors shards"),
-    "a shard the index names is missing": (lambda d: (d / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})), "model-00002-of-00002.safetensors named in"),
-    "unsupported architecture": (_edit_config(architectures=["LlamaForCausalLM"]), "unsupported architecture LlamaForCausalLM"),
-    "shape does not match config": (_edit_config(moe_intermediate_size=24), "has shape [16, 32], but config.json implies [24, 32]"),
-    "missing tensor": (lambda d: rewrite(d, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight")),
-                       "tensor model.layers.1.mlp.experts.3.up_proj.weight is missing"),
-    "unexpected tensor": (lambda d: rewrite(d, lambda t: t.update({"model.layers.1.self_attn.q_proj.bias": np.zeros(4, np.float32)})),
-                          "unexpected tensor model.layers.1.self_attn.q_proj.bias"),
-    "fp8 weight without scales": (_fp8_without_scales, "its block scales model.layers.1.self_attn.o_proj.weight_scale_inv are missing"),
-    "unsupported rope": (_edit_config(rope_scaling={"type": "linear", "factor": 2.0}), "rope type 'linear' is not supported"),
-    "yarn attention factor": (_edit_config(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
-                              "attention_factor 1.13863"),
-    "not a safetensors file": (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 4), "is not a safetensors file"),
+  "no config.json": (lambda d: (d / "config.json").unlink(), "config.json does not exist"),
+  "no shards": (lambda d: (d / "model.safetensors").unlink(), "holds no *.safetensors shards"),
+  "a shard the index names is missing": (
+    lambda d: (d / "model.safetensors.index.json").write_text(
+      json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    ),
+    "model-00002-of-00002.safetensors named in",
+  ),
+  "unsupported architecture": (
+    _edit_config(architectures=["LlamaForCausalLM"]),
+    "unsupported architecture LlamaForCausalLM",
+  ),
+  "shape does not match config": (
+    _edit_config(moe_intermediate_size=24),
+    "has shape [16, 32], but config.json implies [24, 32]",
+  ),
+  "missing tensor": (
+    lambda d: rewrite(d, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight")),
+    "tensor model.layers.1.mlp.experts.3.up_proj.weight is missing",
+  ),
+  "unexpected tensor": (
+    lambda d: rewrite(d, lambda t: t.update({"model.layers.1.self_attn.q_proj.bias": np.zeros(4, np.float32)})),
+    "unexpected tensor model.layers.1.self_attn.q_proj.bias",
+  ),
+  "fp8 weight without scales": (
+    _fp8_without_scales,
+    "its block scales model.layers.1.self_attn.o_proj.weight_scale_inv are missing",
+  ),
+  "unsupported rope": (
+    _edit_config(rope_scaling={"type": "linear", "factor": 2.0}),
+    "rope type 'linear' is not supported",
+  ),
+  "yarn attention factor": (
+    _edit_config(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    "attention_factor 1.13863",
+  ),
+  "not a safetensors file": (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 4), "is not a safetensors file"),
 }
 
 
@@ -311,18 +447,41 @@ def test_cli_errors_are_one_line_and_leave_no_output(small_converted, tmp_path, 
   (tmp_path / "taken").mkdir()
   (tmp_path / "taken" / "keep.txt").write_text("mine")
   cases = [
-      (hf_to_orbax.main, ["--hf-dir", small_converted.parent / "hf", "--out", tmp_path / "taken"], "already exists"),
-      (hf_to_orbax.main, ["--hf-dir", small_converted.parent / "hf", "--out", tmp_path / "x", "--dtype", "int8"], "invalid choice: 'int8'"),
-      (hf_to_orbax.main, ["--out", tmp_path / "x"], "the following arguments are required: --hf-dir"),
-      (orbax_to_hf.main, ["--checkpoint", tmp_path / "nowhere", "--out", tmp_path / "x"], "does not exist"),
-      (orbax_to_hf.main, ["--checkpoint", small_converted, "--out", tmp_path / "taken"], "already exists"),
-      (orbax_to_hf.main, ["--checkpoint", small_converted, "--out", tmp_path / "x", "--max-shard-size", "lots"], "--max-shard-size"),
-      (score.main, ["--checkpoint", tmp_path / "nowhere", "--input-ids", ids, "--output", tmp_path / "x.npy"], "does not exist"),
-      (score.main, ["--checkpoint", small_converted, "--input-ids", tmp_path / "no.npy", "--output", tmp_path / "x.npy"], "does not exist"),
-      (score.main, ["--checkpoint", small_converted, "--input-ids", ids, "--output", tmp_path / "no" / "x.npy"], "parent directory"),
+    (hf_to_orbax.main, ["--hf-dir", small_converted.parent / "hf", "--out", tmp_path / "taken"], "already exists"),
+    (
+      hf_to_orbax.main,
+      ["--hf-dir", small_converted.parent / "hf", "--out", tmp_path / "x", "--dtype", "int8"],
+      "invalid choice: 'int8'",
+    ),
+    (hf_to_orbax.main, ["--out", tmp_path / "x"], "the following arguments are required: --hf-dir"),
+    (orbax_to_hf.main, ["--checkpoint", tmp_path / "nowhere", "--out", tmp_path / "x"], "does not exist"),
+    (orbax_to_hf.main, ["--checkpoint", small_converted, "--out", tmp_path / "taken"], "already exists"),
+    (
+      orbax_to_hf.main,
+      ["--checkpoint", small_converted, "--out", tmp_path / "x", "--max-shard-size", "lots"],
+      "--max-shard-size",
+    ),
+    (
+      score.main,
+      ["--checkpoint", tmp_path / "nowhere", "--input-ids", ids, "--output", tmp_path / "x.npy"],
+      "does not exist",
+    ),
+    (
+      score.main,
+      ["--checkpoint", small_converted, "--input-ids", tmp_path / "no.npy", "--output", tmp_path / "x.npy"],
+      "does not exist",
+    ),
+    (
+      score.main,
+      ["--checkpoint", small_converted, "--input-ids", ids, "--output", tmp_path / "no" / "x.npy"],
+      "parent directory",
+    ),
   ]
-  bad_ids = {"float": (np.zeros((2, 4), np.float32), "must be integers"), "range": (np.full((2, 4), VOCAB), "outside the vocabulary"),
-             "rank": (np.zeros(4, np.int32), "[batch, seq]")}
+  bad_ids = {
+    "float": (np.zeros((2, 4), np.float32), "must be integers"),
+    "range": (np.full((2, 4), VOCAB), "outside the vocabulary"),
+    "rank": (np.zeros(4, np.int32), "[batch, seq]"),
+  }
   for name, (bad, message) in bad_ids.items():
     np.save(tmp_path / f"{name}.npy", bad)
     argv = ["--checkpoint", small_converted, "--input-ids", tmp_path / f"{name}.npy", "--output", tmp_path / "x.npy"]
@@ -335,16 +494,25 @@ def test_cli_errors_are_one_line_and_leave_no_output(small_converted, tmp_path, 
 
 
 def test_error_exit_from_python_dash_m(tmp_path):
-  done = subprocess.run([sys.executable, "-m", "MaxText.convert.hf_to_orbax", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "out")],
-                        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-  assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and done.stderr.startswith("error: "), done.stderr
+  done = subprocess.run(
+    [sys.executable, "-m", "MaxText.convert.hf_to_orbax", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "out")],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env={**os.environ, "PYTHONPATH": str(REPO)},
+  )
+  assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and done.stderr.startswith("error: "), (
+    done.stderr
+  )
   assert not (tmp_path / "out").exists()
 
 
 def test_fp8_dequantisation_scales_each_block_and_cuts_the_edges():
   rng = np.random.default_rng(0)
   weight = rng.standard_normal((20, 30)).astype(ml_dtypes.float8_e4m3fn)
-  scales = rng.uniform(0.5, 2.0, fp8.scale_shape(weight.shape, (8, 16))).astype(np.float32)  # 3 x 2 blocks, the last cut
+  scales = rng.uniform(0.5, 2.0, fp8.scale_shape(weight.shape, (8, 16))).astype(
+    np.float32
+  )  # 3 x 2 blocks, the last cut
   got = fp8.dequantize(weight, scales, (8, 16), np.float32)
   want = np.array([[float(weight[i, j]) * scales[i // 8, j // 16] for j in range(30)] for i in range(20)], np.float32)
   np.testing.assert_array_equal(got, want)
@@ -353,16 +521,55 @@ def test_fp8_dequantisation_scales_each_block_and_cuts_the_edges():
 
 # config.json of the DeepSeek-V3 release (deepseek-ai/DeepSeek-V3), the fields that matter here.
 RELEASE_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "ep_size": 1,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "rope_theta": 10000, "attention_bias": False, "torch_dtype": "bfloat16",
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+  "architectures": ["DeepseekV3ForCausalLM"],
+  "model_type": "deepseek_v3",
+  "vocab_size": 129280,
+  "hidden_size": 7168,
+  "intermediate_size": 18432,
+  "moe_intermediate_size": 2048,
+  "num_hidden_layers": 61,
+  "num_nextn_predict_layers": 1,
+  "num_attention_heads": 128,
+  "num_key_value_heads": 128,
+  "n_shared_experts": 1,
+  "n_routed_experts": 256,
+  "ep_size": 1,
+  "routed_scaling_factor": 2.5,
+  "kv_lora_rank": 512,
+  "q_lora_rank": 1536,
+  "qk_rope_head_dim": 64,
+  "v_head_dim": 128,
+  "qk_nope_head_dim": 128,
+  "topk_method": "noaux_tc",
+  "n_group": 8,
+  "topk_group": 4,
+  "num_experts_per_tok": 8,
+  "moe_layer_freq": 1,
+  "first_k_dense_replace": 3,
+  "norm_topk_prob": True,
+  "scoring_func": "sigmoid",
+  "hidden_act": "silu",
+  "max_position_embeddings": 163840,
+  "rms_norm_eps": 1e-06,
+  "tie_word_embeddings": False,
+  "rope_theta": 10000,
+  "attention_bias": False,
+  "torch_dtype": "bfloat16",
+  "rope_scaling": {
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn",
+  },
+  "quantization_config": {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+  },
 }
 
 
@@ -379,26 +586,41 @@ def test_rope_pairs_reorder_halves_into_adjacent_pairs():
 
 
 def _peak_rss_mb(module: str, argv: list) -> float:
-  code = ("import resource, sys, runpy; sys.argv = ['x', *sys.argv[1:]]\n"
-          f"try:\n  runpy.run_module('{module}', run_name='__main__')\nexcept SystemExit as e:\n  assert not e.code, e.code\n"
-          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+  code = (
+    "import resource, sys, runpy; sys.argv = ['x', *sys.argv[1:]]\n"
+    f"try:\n  runpy.run_module('{module}', run_name='__main__')\nexcept SystemExit as e:\n  assert not e.code, e.code\n"
+    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+  )
   env = {**os.environ, "PYTHONPATH": str(REPO)}
-  done = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, cwd=REPO, env=env)
+  done = subprocess.run(
+    [sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, cwd=REPO, env=env
+  )
   assert done.returncode == 0, done.stderr
   return float(done.stdout.strip().splitlines()[-1])
 
 
 def test_conversion_streams_in_memory_near_one_tensor(tmp_path):
   """Converting a ~200 MB model both ways takes about the memory of converting a 1 MB one: tensor by tensor."""
-  big = dict(SMALL_HF, hidden_size=256, moe_intermediate_size=256, n_routed_experts=32, n_group=1, num_hidden_layers=8,
-             first_k_dense_replace=0)
+  big = dict(
+    SMALL_HF,
+    hidden_size=256,
+    moe_intermediate_size=256,
+    n_routed_experts=32,
+    n_group=1,
+    num_hidden_layers=8,
+    first_k_dense_replace=0,
+  )
   peaks = {}
   for name, config in (("small", SMALL_HF), ("big", big)):
     hf = write_hf(tmp_path / name, config)
     ours, back = tmp_path / f"{name}-ours", tmp_path / f"{name}-back"
-    peaks[name] = (_peak_rss_mb("MaxText.convert.hf_to_orbax", ["--hf-dir", hf, "--out", ours]),
-                   _peak_rss_mb("MaxText.convert.orbax_to_hf", ["--checkpoint", ours, "--out", back]))
+    peaks[name] = (
+      _peak_rss_mb("MaxText.convert.hf_to_orbax", ["--hf-dir", hf, "--out", ours]),
+      _peak_rss_mb("MaxText.convert.orbax_to_hf", ["--checkpoint", ours, "--out", back]),
+    )
   size_mb = (tmp_path / "big" / "model.safetensors").stat().st_size / 2**20
   assert size_mb > 190
   assert peaks["big"][0] - peaks["small"][0] < 50 and peaks["big"][1] - peaks["small"][1] < 50, (peaks, size_mb)
-  assert (tmp_path / "big-back" / "model.safetensors").read_bytes() == (tmp_path / "big" / "model.safetensors").read_bytes()
+  assert (tmp_path / "big-back" / "model.safetensors").read_bytes() == (
+    tmp_path / "big" / "model.safetensors"
+  ).read_bytes()

@@ -8,8 +8,17 @@ from MaxText.data import SyntheticData
 from MaxText.sharding import make_mesh
 from MaxText.train_step import Trainer
 
-SMALL = ("max_target_length=8", "per_device_batch_size=2", "base_num_decoder_layers=2", "mtp_num_layers=0", "remat_policy=none",
-         "learning_rate=1e-2", "warmup_steps_fraction=0", "steps=2", "ici_fsdp_parallelism=1")
+SMALL = (
+  "max_target_length=8",
+  "per_device_batch_size=2",
+  "base_num_decoder_layers=2",
+  "mtp_num_layers=0",
+  "remat_policy=none",
+  "learning_rate=1e-2",
+  "warmup_steps_fraction=0",
+  "steps=2",
+  "ici_fsdp_parallelism=1",
+)
 
 
 def _run(cfg, steps=2):
@@ -31,7 +40,9 @@ def _kinds(tree) -> set[str]:
 
 def test_offloaded_state_lives_in_pinned_host_memory_and_trains_the_same(tiny_config):
   state, losses, _ = _run(tiny_config(*SMALL))
-  off_state, off_losses, off_in = _run(tiny_config(*SMALL, "optimizer_memory_host_offload=true", "parameter_memory_host_offload=true"))
+  off_state, off_losses, off_in = _run(
+    tiny_config(*SMALL, "optimizer_memory_host_offload=true", "parameter_memory_host_offload=true")
+  )
   assert _kinds(state.params) == _kinds(state.opt_state) == {"device"}
   assert _kinds(off_state.params) == _kinds(off_state.opt_state) == {"pinned_host"}
   assert _kinds(off_state.bias) == {"device"}
@@ -43,7 +54,11 @@ def test_offloaded_state_lives_in_pinned_host_memory_and_trains_the_same(tiny_co
 
 
 def test_only_the_optimizer_state(tiny_config):
-  trainer = Trainer(tiny_config(*SMALL, "optimizer_memory_host_offload=true"), make_mesh(tiny_config(*SMALL).mesh, jax.devices()[:1]))
+  trainer = Trainer(
+    tiny_config(*SMALL, "optimizer_memory_host_offload=true"), make_mesh(tiny_config(*SMALL).mesh, jax.devices()[:1])
+  )
   kinds = lambda tree: {s.memory_kind for s in jax.tree.leaves(tree)}  # noqa: E731
-  assert kinds(trainer.state_shardings.params) == {"device"} and kinds(trainer.state_shardings.opt_state) == {"pinned_host"}
+  assert kinds(trainer.state_shardings.params) == {"device"} and kinds(trainer.state_shardings.opt_state) == {
+    "pinned_host"
+  }
   assert trainer.host_offload_description() == "optimizer state"

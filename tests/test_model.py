@@ -17,7 +17,9 @@ from conftest import REPO
 
 def _init(cfg, seed=0):
   specs = model.model_specs(cfg.model, cfg.moe)
-  return params.initialize(specs, jax.random.key(seed), jnp.float32, cfg.model.param_init_std), model.bias_state(cfg.model, cfg.moe)
+  return params.initialize(specs, jax.random.key(seed), jnp.float32, cfg.model.param_init_std), model.bias_state(
+    cfg.model, cfg.moe
+  )
 
 
 def _batch(cfg, batch=2, seq=16, seed=0):
@@ -71,7 +73,9 @@ def test_671b_parameter_counts(tmp_path):
   mtp = params.count(specs["mtp_layers"])
   assert (total - mtp) / 1e9 == pytest.approx(671.0, rel=1e-3)  # the paper's 671B, MTP excluded
   m = cfg.model
-  mtp_active = flops.active_weights_per_token(m, cfg.moe) - flops.active_weights_per_token(m.__class__(**{**m.__dict__, "mtp_num_layers": 0}), cfg.moe)
+  mtp_active = flops.active_weights_per_token(m, cfg.moe) - flops.active_weights_per_token(
+    m.__class__(**{**m.__dict__, "mtp_num_layers": 0}), cfg.moe
+  )
   main_active = flops.active_weights_per_token(m, cfg.moe) - mtp_active + m.vocab_size * m.emb_dim
   assert 36.5e9 < main_active < 38.5e9  # "37B activated for each token"
   assert specs["moe_layers"]["ffn"]["wi_0"].shape == (58, 256, 7168, 2048)
@@ -88,7 +92,11 @@ def test_yarn_frequencies(tiny_config):
   # the lowest rotate less than beta_slow times: divided by the factor
   np.testing.assert_allclose(inv[-4:], base[-4:] / 40, rtol=1e-6)
   assert np.all(np.diff(inv) < 0)
-  np.testing.assert_allclose(np.asarray(rope.inverse_frequencies(plain)), 1.0 / (plain.rope_max_timescale ** (np.arange(0, plain.qk_rope_head_dim, 2) / plain.qk_rope_head_dim)), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(rope.inverse_frequencies(plain)),
+    1.0 / (plain.rope_max_timescale ** (np.arange(0, plain.qk_rope_head_dim, 2) / plain.qk_rope_head_dim)),
+    rtol=1e-6,
+  )
   assert rope.yarn_mscale(40, 1.0) == pytest.approx(0.1 * math.log(40) + 1)
 
 

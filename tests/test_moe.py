@@ -21,7 +21,14 @@ def _x(batch=2, seq=24, emb=64, seed=1):
   return jax.random.normal(jax.random.key(seed), (batch, seq, emb))
 
 
-@pytest.mark.parametrize("overrides", [(), ("shared_experts=0", "n_routing_groups=1", "topk_routing_group=1"), ("routed_score_func=softmax", "num_experts_per_tok=3")])
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    (),
+    ("shared_experts=0", "n_routing_groups=1", "topk_routing_group=1"),
+    ("routed_score_func=softmax", "num_experts_per_tok=3"),
+  ],
+)
 def test_dropless_equals_per_token_loop(tiny_config, overrides):
   cfg = tiny_config(*overrides)
   p, x = _moe_params(cfg), _x()
@@ -120,9 +127,13 @@ def test_bias_update_moves_against_the_load():
 
 
 def test_sequence_balance_loss_is_one_when_uniform(tiny_config):
-  cfg = tiny_config("num_experts=4", "num_experts_per_tok=1", "n_routing_groups=1", "topk_routing_group=1", "routed_score_func=softmax").moe
+  cfg = tiny_config(
+    "num_experts=4", "num_experts_per_tok=1", "n_routing_groups=1", "topk_routing_group=1", "routed_score_func=softmax"
+  ).moe
   ids = jnp.array([[0], [1], [2], [3]])
   r = router.Routing(ids, jnp.ones((4, 1)), jnp.full((4, 4), 0.25))
   assert float(router.sequence_balance_loss(r, 1, cfg)) == pytest.approx(1.0)
-  skewed = router.Routing(jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1)), jnp.tile(jnp.array([[0.7, 0.1, 0.1, 0.1]]), (4, 1)))
+  skewed = router.Routing(
+    jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1)), jnp.tile(jnp.array([[0.7, 0.1, 0.1, 0.1]]), (4, 1))
+  )
   assert float(router.sequence_balance_loss(skewed, 1, cfg)) == pytest.approx(4 * 0.7)

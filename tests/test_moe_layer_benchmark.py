@@ -11,7 +11,14 @@ from conftest import REPO
 
 def test_moe_layer_benchmark_dry_run(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.run([sys.executable, "benchmarks/moe_layer.py", "--small", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, "benchmarks/moe_layer.py", "--small", "--out", str(tmp_path)],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   results = json.loads((tmp_path / "moe_layer.json").read_text())
   assert [c["pad"] for c in results["checks"]] == [0, 4] and all(c["ok"] and c["finite"] for c in results["checks"])

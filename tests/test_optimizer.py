@@ -29,7 +29,10 @@ def test_float32_moments_match_optax_adam_step_for_step():
 
 def test_bfloat16_moments_are_stored_rounded_and_the_update_stays_close():
   params = _tree(0)
-  low, full = scale_by_adam_stored_as(0.9, 0.95, 1e-8, jnp.bfloat16, jnp.bfloat16), scale_by_adam_stored_as(0.9, 0.95, 1e-8)
+  low, full = (
+    scale_by_adam_stored_as(0.9, 0.95, 1e-8, jnp.bfloat16, jnp.bfloat16),
+    scale_by_adam_stored_as(0.9, 0.95, 1e-8),
+  )
   s_low, s_full = low.init(params), full.init(params)
   for step in range(3):
     grads = _tree(step + 1)
@@ -44,8 +47,17 @@ def test_bfloat16_moments_are_stored_rounded_and_the_update_stays_close():
 
 
 def test_training_with_bfloat16_moments_follows_float32(tiny_config, tmp_path):
-  common = ("max_target_length=16", "per_device_batch_size=2", "steps=40", "learning_rate=1e-2", "warmup_steps_fraction=0.1", "remat_policy=none",
-            "enable_checkpointing=false", "enable_tensorboard=false", f"base_output_directory={tmp_path}")
+  common = (
+    "max_target_length=16",
+    "per_device_batch_size=2",
+    "steps=40",
+    "learning_rate=1e-2",
+    "warmup_steps_fraction=0.1",
+    "remat_policy=none",
+    "enable_checkpointing=false",
+    "enable_tensorboard=false",
+    f"base_output_directory={tmp_path}",
+  )
   full = [h["loss"] for h in train(tiny_config(*common, "run_name=f32"))]
   low = [h["loss"] for h in train(tiny_config(*common, "run_name=bf16", "mu_dtype=bfloat16", "nu_dtype=bfloat16"))]
   assert np.mean(low[-5:]) < 0.8 * low[0]  # it learns

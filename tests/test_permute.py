@@ -33,12 +33,12 @@ def _loss(out, cot):
 
 
 @pytest.mark.parametrize(
-    "overrides, boost",
-    [
-        ((), None),  # random routing with shared experts
-        (("moe_group_pad_multiple=8", "routed_score_func=softmax", "num_experts_per_tok=3"), None),
-        (("n_routing_groups=1", "topk_routing_group=1"), (0, 1)),  # every token to experts 0 and 1; 6 experts empty
-    ],
+  "overrides, boost",
+  [
+    ((), None),  # random routing with shared experts
+    (("moe_group_pad_multiple=8", "routed_score_func=softmax", "num_experts_per_tok=3"), None),
+    (("n_routing_groups=1", "topk_routing_group=1"), (0, 1)),  # every token to experts 0 and 1; 6 experts empty
+  ],
 )
 def test_layer_equals_per_token_loop_forward_and_gradients(tiny_config, overrides, boost):
   cfg = tiny_config(*overrides)

@@ -8,24 +8,40 @@ from MaxText import profile
 from MaxText.errors import UserError
 from MaxText.train import train
 
-SMALL = ("max_target_length=16", "per_device_batch_size=2", "remat_policy=none", "enable_checkpointing=false", "enable_tensorboard=false")
+SMALL = (
+  "max_target_length=16",
+  "per_device_batch_size=2",
+  "remat_policy=none",
+  "enable_checkpointing=false",
+  "enable_tensorboard=false",
+)
 
 
-@pytest.mark.parametrize("op_name, label", [
+@pytest.mark.parametrize(
+  "op_name, label",
+  [
     ("jit(step)/jit(main)/transpose(jvp(decoder))/moe/gmm/dot_general", "bwd gmm"),
     ("jit(step)/jvp(decoder)/layers_0/attention/dot_general", "fwd attention"),
     ("jit(step)/jvp(mtp)/moe/router/top_k", "fwd router"),  # the innermost scope wins
     ("jit(step)/optimizer/mul", "optimizer"),
     ("jit(step)/add", None),
     ("jit(step)/jvp(attention_outer)/x", None),  # a scope name must match whole
-])
+  ],
+)
 def test_scope_label(op_name, label):
   assert profile.scope_label(op_name) == label
 
 
 def test_profiled_steps_are_summarised_by_scope(tiny_config, tmp_path, capsys):
-  cfg = tiny_config(*SMALL, "steps=4", "profiler=xplane", "skip_first_n_steps_for_profiler=1", "profiler_steps=2",
-                    f"base_output_directory={tmp_path}", "run_name=p")
+  cfg = tiny_config(
+    *SMALL,
+    "steps=4",
+    "profiler=xplane",
+    "skip_first_n_steps_for_profiler=1",
+    "profiler_steps=2",
+    f"base_output_directory={tmp_path}",
+    "run_name=p",
+  )
   assert len(train(cfg)) == 4
   directory = tmp_path / "p" / "profile"
   assert list(directory.rglob("*.xplane.pb")), "the trace itself is kept for TensorBoard/XProf"
@@ -44,8 +60,15 @@ def test_profiled_steps_are_summarised_by_scope(tiny_config, tmp_path, capsys):
 
 
 def test_profile_window_past_the_run_is_refused_before_the_run_directory(tiny_config, tmp_path):
-  cfg = tiny_config(*SMALL, "steps=3", "profiler=xplane", "skip_first_n_steps_for_profiler=2", "profiler_steps=2",
-                    f"base_output_directory={tmp_path}", "run_name=p")
+  cfg = tiny_config(
+    *SMALL,
+    "steps=3",
+    "profiler=xplane",
+    "skip_first_n_steps_for_profiler=2",
+    "profiler_steps=2",
+    f"base_output_directory={tmp_path}",
+    "run_name=p",
+  )
   with pytest.raises(UserError, match="steps 2-3 would be profiled but the run ends at step 2"):
     train(cfg)
   assert not (tmp_path / "p").exists()

@@ -21,23 +21,37 @@ def _x(pid, tid, name, ts, dur):
   return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
 
 
-@pytest.mark.parametrize("name, kind", [
-    ("MemcpyD2H", "d2h"), ("Memcpy DtoH (Device -> Pinned)", "d2h"), ("MemcpyH2D", "h2d"), ("Memcpy HtoD (Pinned -> Device)", "h2d"),
-    ("MemcpyD2D", "other"), ("Memset", "other"), ("loop_multiply_fusion", None), ("ragged_dot_mgpu_kernel", None),
-])
+@pytest.mark.parametrize(
+  "name, kind",
+  [
+    ("MemcpyD2H", "d2h"),
+    ("Memcpy DtoH (Device -> Pinned)", "d2h"),
+    ("MemcpyH2D", "h2d"),
+    ("Memcpy HtoD (Pinned -> Device)", "h2d"),
+    ("MemcpyD2D", "other"),
+    ("Memset", "other"),
+    ("loop_multiply_fusion", None),
+    ("ragged_dot_mgpu_kernel", None),
+  ],
+)
 def test_copy_direction(name, kind):
   assert bench.copy_direction(name) == kind
 
 
 def test_overlap_counts_only_stream_lines_and_the_time_under_kernels():
   events = [
-      _meta(1, name="/device:GPU:0"), _meta(1, 10, "Stream #13(Compute)"), _meta(1, 11, "Stream #20(MemcpyD2H)"),
-      _meta(1, 12, "XLA Modules"), _meta(2, name="/host:CPU"), _meta(2, 1, "python"),
-      _x(1, 10, "fusion_a", 0, 100), _x(1, 10, "fusion_b", 150, 50),      # kernels cover [0,100) and [150,200)
-      _x(1, 11, "MemcpyD2H", 50, 100),                                      # [50,150): 50 under kernels
-      _x(1, 11, "MemcpyH2D", 210, 10),                                      # after all kernels: exposed
-      _x(1, 12, "jit_step", 0, 1000),                                       # a derived line: ignored
-      _x(2, 1, "MemcpyD2H", 0, 1000),                                       # host events: ignored
+    _meta(1, name="/device:GPU:0"),
+    _meta(1, 10, "Stream #13(Compute)"),
+    _meta(1, 11, "Stream #20(MemcpyD2H)"),
+    _meta(1, 12, "XLA Modules"),
+    _meta(2, name="/host:CPU"),
+    _meta(2, 1, "python"),
+    _x(1, 10, "fusion_a", 0, 100),
+    _x(1, 10, "fusion_b", 150, 50),  # kernels cover [0,100) and [150,200)
+    _x(1, 11, "MemcpyD2H", 50, 100),  # [50,150): 50 under kernels
+    _x(1, 11, "MemcpyH2D", 210, 10),  # after all kernels: exposed
+    _x(1, 12, "jit_step", 0, 1000),  # a derived line: ignored
+    _x(2, 1, "MemcpyD2H", 0, 1000),  # host events: ignored
   ]
   s = bench.overlap_summary(events)
   d2h, h2d = s["/device:GPU:0 d2h"], s["/device:GPU:0 h2d"]

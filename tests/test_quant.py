@@ -75,7 +75,10 @@ def awkward_values(shape, seed=0) -> np.ndarray:
   """Normal values with a different power-of-two range per 8 columns, exact zeros, tiny values, values
   that e4m3 saturates on (amax mantissa >= 1.75), and the odd huge one."""
   rng = np.random.default_rng(seed)
-  x = rng.normal(size=shape) * 2.0 ** rng.integers(-30, 30, size=(*shape[:-1], -(-shape[-1] // 8))).repeat(8, -1)[..., : shape[-1]]
+  x = (
+    rng.normal(size=shape)
+    * 2.0 ** rng.integers(-30, 30, size=(*shape[:-1], -(-shape[-1] // 8))).repeat(8, -1)[..., : shape[-1]]
+  )
   x[..., :3] = 0.0
   x[..., 3] = 1.9 * 2.0**5  # saturates: its block's amax/X lies in [448, 512)
   x[..., 5] = 1e-38
@@ -101,26 +104,38 @@ def test_mxfp8_matches_numpy_reference_including_zeros_saturation_and_specials()
   # along another axis, and from bf16
   xb = jnp.asarray(x[:, :64].T, jnp.bfloat16)
   got_b = formats.dequantize(formats.mx_quantize(xb, axis=0))
-  np.testing.assert_array_equal(np.asarray(got_b, np.float32).T, np_mx(np.asarray(xb, np.float32).T)[0].astype(np.float32).astype(jnp.bfloat16).astype(np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(got_b, np.float32).T,
+    np_mx(np.asarray(xb, np.float32).T)[0].astype(np.float32).astype(jnp.bfloat16).astype(np.float32),
+  )
 
 
 def test_fp8_blockwise_matches_numpy_reference_for_activations_and_weights():
   x = awkward_values((5, 300), seed=1)
   x[0, :128] = 0.0
   x[1, 200], x[2, 10] = np.inf, np.nan
-  x[3, 128:256] = tiny = np.linspace(2e-38, 1e-37, 128, dtype=np.float32) * (-1) ** np.arange(128)  # amax/448 below 2^-126: the floor
+  x[3, 128:256] = tiny = np.linspace(2e-38, 1e-37, 128, dtype=np.float32) * (-1) ** np.arange(
+    128
+  )  # amax/448 below 2^-126: the floor
   qt = formats.activation_quantize(jnp.asarray(x), axis=1)
   want, want_scale = np_blockwise(x, (1, 128))
   assert qt.scale.dtype == jnp.float32 and qt.scale.shape == (5, 3)
   np.testing.assert_array_equal(np.asarray(qt.scale), want_scale[:, :, 0] if want_scale.ndim == 3 else want_scale)
   np.testing.assert_array_equal(np.asarray(formats.dequantize(qt)), want.astype(np.float32))
   assert float(qt.scale[3, 1]) == 2.0**-126 and np.all(np.asarray(formats.dequantize(qt))[3, 128:256][tiny != 0] != 0)
-  assert float(qt.scale[0, 0]) == 1.0 and np.isnan(np.asarray(qt.scale[1, 1])) and np.isnan(np.asarray(formats.dequantize(qt))[2, :128]).all()
+  assert (
+    float(qt.scale[0, 0]) == 1.0
+    and np.isnan(np.asarray(qt.scale[1, 1]))
+    and np.isnan(np.asarray(formats.dequantize(qt))[2, :128]).all()
+  )
   # A NaN in a larger array: XLA:CPU's vectorised max reduction skips NaNs, the format must not
   big = np.ones((300, 256), np.float32)
   big[200, 130] = np.nan
   for q in (formats.activation_quantize(jnp.asarray(big), 1), formats.mx_quantize(jnp.asarray(big), 1)):
-    assert np.isnan(np.asarray(formats.dequantize(q))[200, 128:160]).all() and not np.isnan(np.asarray(formats.dequantize(q))[199]).any()
+    assert (
+      np.isnan(np.asarray(formats.dequantize(q))[200, 128:160]).all()
+      and not np.isnan(np.asarray(formats.dequantize(q))[199]).any()
+    )
 
   w = awkward_values((2, 200, 260), seed=2)
   wq = formats.weight_quantize(jnp.asarray(w))
@@ -152,7 +167,11 @@ SIZES = {"balanced": [40, 40, 40, 40], "uneven": [70, 0, 57, 23], "one group": [
 
 def _operands(seed=0, m=160, k=200, n=136, g=4):
   ks = jax.random.split(jax.random.key(seed), 3)
-  return jax.random.normal(ks[0], (m, k)), jax.random.normal(ks[1], (g, k, n)) / np.sqrt(k), jax.random.normal(ks[2], (m, n))
+  return (
+    jax.random.normal(ks[0], (m, k)),
+    jax.random.normal(ks[1], (g, k, n)) / np.sqrt(k),
+    jax.random.normal(ks[2], (m, n)),
+  )
 
 
 def _np_rows_quantized(a: np.ndarray, sizes, quantize_rows) -> np.ndarray:
@@ -271,7 +290,12 @@ def test_block_scaled_windows_cover_every_group_row_once():
   np.testing.assert_array_equal(covered[: sizes.sum()], 1)
   assert not covered[sizes.sum() :].any() and not np.asarray(w.rows)[count:].any()
   # window sizes: a quarter of a group's share, a power of two in [128, 1024]
-  assert [mxfp8_block_scaled.window_rows(r, g) for r, g in ((160, 4), (32768, 8), (32768, 32), (65536, 2))] == [128, 1024, 256, 1024]
+  assert [mxfp8_block_scaled.window_rows(r, g) for r, g in ((160, 4), (32768, 8), (32768, 32), (65536, 2))] == [
+    128,
+    1024,
+    256,
+    1024,
+  ]
 
 
 def test_block_scaled_wgrad_keeps_a_nan_block_in_its_own_group():
@@ -323,7 +347,9 @@ def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode(variant, c
   sizes = jnp.array([60, 0, 261, 4], jnp.int32)  # 325 rows: 15 padding rows, a group of 4, one empty
   kw = fp8_blockwise.MOSAIC_VARIANTS[variant]
   if kw.get("warp_specialized"):  # 2 stages, so that the ring of buffers is reused within and across tiles
-    kernels = fp8_blockwise.MosaicKernels(**{**kw, "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    kernels = fp8_blockwise.MosaicKernels(
+      **{**kw, "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams(detect_races=True)
+    )
   else:
     kernels = fp8_blockwise.MosaicKernels(**kw, interpret=plgpu.InterpretGPUParams())
   got = _run(fp8_blockwise.make_gmm(kernels), x, w, dy, sizes)
@@ -348,7 +374,12 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
   w[0, :128, :128], w[1, 5, 300], w[0, 200, 10] = 0.0, np.nan, np.inf
   wq, q_t = quantize_kernels.weight_quantize_both(jnp.asarray(w), interpret=True)
   want = formats.weight_quantize(jnp.asarray(w))
-  assert same(wq.q, want.q) and same(wq.scale, want.scale) and same(q_t, jnp.swapaxes(want.q, 1, 2)) and wq.blocks == want.blocks
+  assert (
+    same(wq.q, want.q)
+    and same(wq.scale, want.scale)
+    and same(q_t, jnp.swapaxes(want.q, 1, 2))
+    and wq.blocks == want.blocks
+  )
   assert np.isnan(np.asarray(wq.scale)[1, 0, 2]) and float(wq.scale[0, 0, 0]) == 1.0
 
   x = jnp.asarray(awkward_values((1000, 256), seed=4)).at[3, 7].set(jnp.nan).at[600:700, :].set(0.0)
@@ -365,12 +396,16 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
   want_cols = fp8_blockwise.columns_from_rows(want_rows, aligned, jnp.bfloat16)
   assert same(got.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(got.scale, want_cols.scale)
   # swiglu(gate, up) made in the kernel from [gate | up] (quantize_with_activation), as the jnp path quantises it
-  gate_up = jnp.asarray(awkward_values((1000, 512), seed=6), jnp.bfloat16).at[9, 300].set(jnp.nan).at[640, 20].set(-jnp.inf)
+  gate_up = (
+    jnp.asarray(awkward_values((1000, 512), seed=6), jnp.bfloat16).at[9, 300].set(jnp.nan).at[640, 20].set(-jnp.inf)
+  )
   rows, cols = quantize_kernels.quantize_rows_and_columns(gate_up, aligned, interpret=True, swiglu_of=True)
   want_rows, want_cols = fp8_blockwise.swiglu_quantize_both(gate_up[:, :256], gate_up[:, 256:], aligned)
   assert rows.q.shape == (1000, 256) and same(rows.q, want_rows.q) and same(rows.scale, want_rows.scale)
   assert same(cols.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(cols.scale, want_cols.scale)
-  assert np.isnan(np.asarray(rows.scale)[9, 0]) and np.isnan(np.asarray(rows.scale)[640, 0])  # up's NaN; silu(-inf) * up
+  assert np.isnan(np.asarray(rows.scale)[9, 0]) and np.isnan(
+    np.asarray(rows.scale)[640, 0]
+  )  # up's NaN; silu(-inf) * up
 
 
 def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
@@ -381,13 +416,17 @@ def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
   plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   x, w, dy = _operands(seed=5, m=300, k=384, n=256, g=3)
   sizes = jnp.array([130, 0, 150], jnp.int32)  # 20 rows past the total
-  kernels = fp8_blockwise.MosaicKernels(**{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams())
+  kernels = fp8_blockwise.MosaicKernels(
+    **{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams()
+  )
   from MaxText.quant import quantize_kernels
 
   calls = []
   for name in ("weight_quantize_both", "quantize_rows_and_columns", "columns_from_rows"):
     kernel = getattr(quantize_kernels, name)
-    monkeypatch.setattr(quantize_kernels, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
+    monkeypatch.setattr(
+      quantize_kernels, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw)
+    )
   f, ref = fp8_blockwise.make_gmm(kernels), quant.quantized_gmm("fp8_blockwise", "xla")
   got = _run(f, x, w, dy, sizes)
   # w once (the backward reads its forward quantisation), x in the forward and dy in the backward
@@ -407,7 +446,12 @@ def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
 def _swiglu_operands(seed, m, f, k, g):
   ks = jax.random.split(jax.random.key(seed), 4)
   gate, up = (jax.random.normal(key, (m, f)).astype(jnp.bfloat16) for key in ks[:2])
-  return gate, up, jax.random.normal(ks[2], (g, f, k)) / np.sqrt(f), jax.random.normal(ks[3], (m, k)).astype(jnp.bfloat16)
+  return (
+    gate,
+    up,
+    jax.random.normal(ks[2], (g, f, k)) / np.sqrt(f),
+    jax.random.normal(ks[3], (m, k)).astype(jnp.bfloat16),
+  )
 
 
 def _swiglu_run(f, gate, up, w, dy, sizes):
@@ -429,7 +473,9 @@ def test_swiglu_down_gemm_is_the_gemm_of_the_activation():
   assert all(np.any(np.asarray(a, np.float32) != 0) for a in got)
   h = quantize_kernels.swiglu(gate, up)
   assert h.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)), rtol=2**-8)
+  np.testing.assert_allclose(
+    np.asarray(h, np.float32), np.asarray(jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)), rtol=2**-8
+  )
 
 
 def test_swiglu_down_gemm_runs_the_activation_in_the_quantisation_kernel(monkeypatch):
@@ -438,15 +484,25 @@ def test_swiglu_down_gemm_runs_the_activation_in_the_quantisation_kernel(monkeyp
   plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   gate, up, w, dy = _swiglu_operands(seed=8, m=300, f=256, k=256, g=3)
   sizes = jnp.array([130, 0, 150], jnp.int32)  # 20 rows past the total
-  kernels = fp8_blockwise.MosaicKernels(**{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams())
+  kernels = fp8_blockwise.MosaicKernels(
+    **{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams()
+  )
   calls = []
   kernel = quantize_kernels.quantize_rows_and_columns
-  monkeypatch.setattr(quantize_kernels, "quantize_rows_and_columns", lambda *a, **kw: calls.append(kw.get("swiglu_of", False)) or kernel(*a, **kw))
+  monkeypatch.setattr(
+    quantize_kernels,
+    "quantize_rows_and_columns",
+    lambda *a, **kw: calls.append(kw.get("swiglu_of", False)) or kernel(*a, **kw),
+  )
   got = _swiglu_run(fp8_blockwise.make_gmm(kernels).from_swiglu, gate, up, w, dy, sizes)
   assert sorted(calls) == [False, True], calls  # swiglu(gate, up) in the forward, dy in the backward
   want = _swiglu_run(quant.quantized_gmm("fp8_blockwise", "xla").from_swiglu, gate, up, w, dy, sizes)
-  for a, b in zip((got[0][:280], got[1][:280], got[2][:280], got[3]), (want[0][:280], want[1][:280], want[2][:280], want[3])):
-    assert _rel(a, b) < (2e-3 if a.dtype == jnp.bfloat16 else 1e-5)  # bf16: an output rounded one ulp apart here and there
+  for a, b in zip(
+    (got[0][:280], got[1][:280], got[2][:280], got[3]), (want[0][:280], want[1][:280], want[2][:280], want[3])
+  ):
+    assert _rel(a, b) < (
+      2e-3 if a.dtype == jnp.bfloat16 else 1e-5
+    )  # bf16: an output rounded one ulp apart here and there
 
 
 def test_registry_and_config_errors(tiny_config):
@@ -484,23 +540,37 @@ def _train(cfg, steps, devices=None):
 
 
 def _compare(tiny_config, steps, *overrides, devices=None):
-  runs = {q: _train(tiny_config(f"steps={steps}", f"quantization={q}", *overrides), steps, devices) for q in quant.CHOICES}
+  runs = {
+    q: _train(tiny_config(f"steps={steps}", f"quantization={q}", *overrides), steps, devices) for q in quant.CHOICES
+  }
   window = max(10, steps // 10)
   report = {}
   for q in ("mxfp8", "fp8_blockwise"):
     report[q] = {
-        "final": abs(runs[q][-window:].mean() / runs[""][-window:].mean() - 1),
-        "mean": abs(runs[q].mean() / runs[""].mean() - 1),
+      "final": abs(runs[q][-window:].mean() / runs[""][-window:].mean() - 1),
+      "mean": abs(runs[q].mean() / runs[""].mean() - 1),
     }
-  print("relative loss gaps", {q: {k: round(float(v), 5) for k, v in r.items()} for q, r in report.items()},
-        "last-window losses", {q or "off": round(float(r[-window:].mean()), 4) for q, r in runs.items()}, "first", round(float(runs[""][0]), 4))
+  print(
+    "relative loss gaps",
+    {q: {k: round(float(v), 5) for k, v in r.items()} for q, r in report.items()},
+    "last-window losses",
+    {q or "off": round(float(r[-window:].mean()), 4) for q, r in runs.items()},
+    "first",
+    round(float(runs[""][0]), 4),
+  )
   return runs, report
 
 
 def test_quantized_training_follows_unquantized(tiny_config):
   """CI-sized (compiling the step dominates): the tiny recipe cut to one dense and one MoE layer, no MTP,
   no remat, batch 8 x 32 tokens on one device, 80 steps; losses within 2% (last 10 steps, and all)."""
-  small = ("per_device_batch_size=8", "max_target_length=32", "mtp_num_layers=0", "remat_policy=none", "base_num_decoder_layers=2")
+  small = (
+    "per_device_batch_size=8",
+    "max_target_length=32",
+    "mtp_num_layers=0",
+    "remat_policy=none",
+    "base_num_decoder_layers=2",
+  )
   runs, report = _compare(tiny_config, 80, *small, devices=1)
   assert runs[""][-10:].mean() < 0.8 * runs[""][:5].mean()  # it learned something
   for q, r in report.items():
@@ -511,13 +581,23 @@ def test_quantized_training_follows_unquantized(tiny_config):
 def test_block_scaled_mxfp8_trains_as_the_emulation_does(tiny_config, dispatch):
   """mxfp8_impl=block_scaled against emulated: the same numerics (fp32 accumulation both), so two steps give
   the same losses and gradient norms, on 8 devices, under expert parallelism's shard_map too."""
-  small = ("max_target_length=16", "per_device_batch_size=2", "learning_rate=1e-2", "remat_policy=none", "mtp_num_layers=0",
-           "steps=2", "quantization=mxfp8", f"moe_dispatch={dispatch}")
+  small = (
+    "max_target_length=16",
+    "per_device_batch_size=2",
+    "learning_rate=1e-2",
+    "remat_policy=none",
+    "mtp_num_layers=0",
+    "steps=2",
+    "quantization=mxfp8",
+    f"moe_dispatch={dispatch}",
+  )
   runs = {impl: _train(tiny_config(*small, f"mxfp8_impl={impl}"), 2) for impl in ("emulated", "block_scaled")}
   np.testing.assert_allclose(runs["block_scaled"], runs["emulated"], rtol=1e-5)
 
 
-@pytest.mark.skipif(not os.environ.get("MAXTEXT_QUANT_CONVERGENCE"), reason="300 steps x 3 runs: set MAXTEXT_QUANT_CONVERGENCE=1")
+@pytest.mark.skipif(
+  not os.environ.get("MAXTEXT_QUANT_CONVERGENCE"), reason="300 steps x 3 runs: set MAXTEXT_QUANT_CONVERGENCE=1"
+)
 def test_tiny_recipe_300_steps_within_two_percent(tiny_config):
   """The tiny recipe as it is (128 sequences of 64 tokens a step), on one device: the same math as on 8
   (tests/test_train.py), without 8 virtual devices' collectives contending for 2 CPU cores."""
@@ -535,7 +615,9 @@ def _compile_for_gpu(*args: str) -> dict:
     pytest.skip(f"CUDA plugin not installed in {site}")
   env = {**os.environ, "PYTHONPATH": f"{site}:{repo}", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   script = repo / "tests" / "compile_only" / "lower_fp8_for_gpu.py"
-  proc = subprocess.run([sys.executable, str(script), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(
+    [sys.executable, str(script), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=900
+  )
   lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   return json.loads(lines[-1].removeprefix("RESULT "))
@@ -554,7 +636,14 @@ def test_fp8_blockwise_kernels_compile_for_h200():
       # fp8 rows, fewer where XLA merges equal calls.
       fused = fp8_blockwise.MOSAIC_VARIANTS[kernels.split(":")[1]].get("fused_quantize", False)
       assert result.pop("triton_kernels") in (range(6, 10) if fused else (0,)), (kernels, shape)
-      want = {"device_kind": "NVIDIA H200", "mosaic_kernels": 9, "fp8_operands": True, "scaled_dots": 0, "triton_gemm_fusions": 0, "bf16_concatenates": 0}
+      want = {
+        "device_kind": "NVIDIA H200",
+        "mosaic_kernels": 9,
+        "fp8_operands": True,
+        "scaled_dots": 0,
+        "triton_gemm_fusions": 0,
+        "bf16_concatenates": 0,
+      }
       assert result == want, (kernels, shape)
 
 
@@ -625,10 +714,20 @@ def test_block_scaled_mxfp8_compiles_to_triton_scaled_dots_for_b200():
   products to XLA scaled-dot ops with e4m3 operands, each in a Triton GEMM fusion (tt.dot_scaled: the
   tensor-core block-scaled MMA on sm_100), not to a dequantise + dot; on an H200 auto keeps the emulation
   (the three Mosaic bf16 kernels), and a forced block_scaled compiles as on the B200."""
-  want = {("b200", "mxfp8"): ("NVIDIA B200", 0, 3), ("h200", "mxfp8"): ("NVIDIA H200", 3, 0), ("h200", "mxfp8:block_scaled"): ("NVIDIA H200", 0, 3)}
+  want = {
+    ("b200", "mxfp8"): ("NVIDIA B200", 0, 3),
+    ("h200", "mxfp8"): ("NVIDIA H200", 3, 0),
+    ("h200", "mxfp8:block_scaled"): ("NVIDIA H200", 0, 3),
+  }
   for (gpu, fmt), (kind, mosaic, scaled) in want.items():
     (result,) = _compile_for_gpu("--gpu", gpu, fmt, "4096x7168x2048x8").values()
-    got = (result["device_kind"], result["mosaic_kernels"], result["scaled_dots"], result["triton_gemm_fusions"] >= result["scaled_dots"], result["fp8_operands"])
+    got = (
+      result["device_kind"],
+      result["mosaic_kernels"],
+      result["scaled_dots"],
+      result["triton_gemm_fusions"] >= result["scaled_dots"],
+      result["fp8_operands"],
+    )
     assert got == (kind, mosaic, scaled, True, True), (gpu, fmt, result)
 
 
@@ -646,7 +745,23 @@ def test_benchmark_labels_name_each_quantised_gmm(tmp_path):
     quant.labelled_gmm("fp8_blockwise:wide", cpu)
   repo = Path(__file__).resolve().parents[1]
   for script in ("gmm_profile.py", "grouped_gemm.py"):
-    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / script), "--out", str(tmp_path / script), "--quant", "fp8_blockwise:wide"],
-                          capture_output=True, text=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}, timeout=300)
-    assert proc.returncode == 2 and "--quant fp8_blockwise:wide: choose from fp8_blockwise, fp8_blockwise:plain" in proc.stderr, (script, proc.stderr[-500:])
+    proc = subprocess.run(
+      [
+        sys.executable,
+        str(repo / "benchmarks" / script),
+        "--out",
+        str(tmp_path / script),
+        "--quant",
+        "fp8_blockwise:wide",
+      ],
+      capture_output=True,
+      text=True,
+      cwd=repo,
+      env={**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"},
+      timeout=300,
+    )
+    assert (
+      proc.returncode == 2
+      and "--quant fp8_blockwise:wide: choose from fp8_blockwise, fp8_blockwise:plain" in proc.stderr
+    ), (script, proc.stderr[-500:])
     assert not (tmp_path / script).exists()

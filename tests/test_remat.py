@@ -18,8 +18,18 @@ from MaxText.sharding import Sharder
 # One dense and one MoE layer (shared experts, q low rank): every tagged tensor occurs. MTP modules run the
 # same decoder layer under the same policy, so they are left out to keep the compiles short.
 SMALL = ("base_num_decoder_layers=2", "first_num_dense_layers=1", "max_target_length=8", "mtp_num_layers=0")
-MIX = ("remat_policy=custom", "decoder_layer_input=offload", "moe_mlpwi_0=offload", "moe_mlpwi_1=offload", "mla_kv=device",
-       "query_proj=device", "value_proj=offload", "mlpwi=device", "out_proj=remat", "moe_mlpwo=device")
+MIX = (
+  "remat_policy=custom",
+  "decoder_layer_input=offload",
+  "moe_mlpwi_0=offload",
+  "moe_mlpwi_1=offload",
+  "mla_kv=device",
+  "query_proj=device",
+  "value_proj=offload",
+  "mlpwi=device",
+  "out_proj=remat",
+  "moe_mlpwo=device",
+)
 
 
 def _names_in(jaxpr) -> set[str]:
@@ -118,11 +128,20 @@ def test_each_policy_keeps_exactly_its_named_tensors(tiny_config, policy, capsys
   assert kept == expected
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (("moe_mlpwi_0=offload",), "moe_mlpwi_0: per-tensor remat keys act only with remat_policy=custom (remat_policy is full)"),
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (
+      ("moe_mlpwi_0=offload",),
+      "moe_mlpwi_0: per-tensor remat keys act only with remat_policy=custom (remat_policy is full)",
+    ),
     (("remat_policy=custom", "q_lora_rank=0", "mla_q=device"), "mla_q: there is no low-rank query with q_lora_rank=0"),
-    (("remat_policy=custom", "out_proj=host"), "out_proj='host' (from the command line) is not allowed; choose one of: remat, device, offload"),
-])
+    (
+      ("remat_policy=custom", "out_proj=host"),
+      "out_proj='host' (from the command line) is not allowed; choose one of: remat, device, offload",
+    ),
+  ],
+)
 def test_remat_config_errors(tiny_config, overrides, message):
   with pytest.raises(UserError, match="^" + re.escape(message)):
     tiny_config(*overrides)

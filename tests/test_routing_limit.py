@@ -53,13 +53,24 @@ def _groups_used(ids, groups):
 
 @pytest.mark.parametrize("groups, keep", [(8, 2), (4, 1), (16, 3)])
 def test_limit_is_respected_and_matches_numpy(tiny_config, groups, keep):
-  cfg = tiny_config(f"num_experts={E}", "num_experts_per_tok=6", "n_routing_groups=1", "topk_routing_group=1",
-                    f"moe_route_limit_groups={groups}", f"moe_route_limit_topk_groups={keep}").moe
+  cfg = tiny_config(
+    f"num_experts={E}",
+    "num_experts_per_tok=6",
+    "n_routing_groups=1",
+    "topk_routing_group=1",
+    f"moe_route_limit_groups={groups}",
+    f"moe_route_limit_topk_groups={keep}",
+  ).moe
   x, gate, bias = _inputs()
   r = router.route(x, gate, bias, cfg)
   assert max(_groups_used(r.expert_ids, groups)) <= keep
   assert [set(np.asarray(row).tolist()) for row in r.expert_ids] == _numpy_route(x, gate, bias, 6, limit=(groups, keep))
-  plain = router.route(x, gate, bias, tiny_config(f"num_experts={E}", "num_experts_per_tok=6", "n_routing_groups=1", "topk_routing_group=1").moe)
+  plain = router.route(
+    x,
+    gate,
+    bias,
+    tiny_config(f"num_experts={E}", "num_experts_per_tok=6", "n_routing_groups=1", "topk_routing_group=1").moe,
+  )
   assert max(_groups_used(plain.expert_ids, groups)) > keep  # the limit did something
 
 
@@ -67,7 +78,9 @@ def test_limit_allowing_every_group_is_plain_routing(tiny_config):
   base = (f"num_experts={E}", "num_experts_per_tok=8", "n_routing_groups=4", "topk_routing_group=2")
   x, gate, bias = _inputs(seed=5)
   plain = router.route(x, gate, bias, tiny_config(*base).moe)
-  limited = router.route(x, gate, bias, tiny_config(*base, "moe_route_limit_groups=8", "moe_route_limit_topk_groups=8").moe)
+  limited = router.route(
+    x, gate, bias, tiny_config(*base, "moe_route_limit_groups=8", "moe_route_limit_topk_groups=8").moe
+  )
   np.testing.assert_array_equal(limited.expert_ids, plain.expert_ids)
   np.testing.assert_array_equal(limited.weights, plain.weights)
 
@@ -75,27 +88,57 @@ def test_limit_allowing_every_group_is_plain_routing(tiny_config):
 @pytest.mark.parametrize("routing_groups, limit", [((4, 2), (8, 3)), ((8, 4), (4, 2)), ((8, 3), (2, 1))])
 def test_composes_with_group_limited_routing(tiny_config, routing_groups, limit):
   (n, n_keep), (g, g_keep) = routing_groups, limit
-  cfg = tiny_config(f"num_experts={E}", "num_experts_per_tok=4", f"n_routing_groups={n}", f"topk_routing_group={n_keep}",
-                    f"moe_route_limit_groups={g}", f"moe_route_limit_topk_groups={g_keep}").moe
+  cfg = tiny_config(
+    f"num_experts={E}",
+    "num_experts_per_tok=4",
+    f"n_routing_groups={n}",
+    f"topk_routing_group={n_keep}",
+    f"moe_route_limit_groups={g}",
+    f"moe_route_limit_topk_groups={g_keep}",
+  ).moe
   x, gate, bias = _inputs(seed=7)
   r = router.route(x, gate, bias, cfg)
   assert max(_groups_used(r.expert_ids, g)) <= g_keep
   assert max(_groups_used(r.expert_ids, n)) <= n_keep
-  assert [set(np.asarray(row).tolist()) for row in r.expert_ids] == _numpy_route(x, gate, bias, 4, limit=limit, routing_groups=routing_groups)
+  assert [set(np.asarray(row).tolist()) for row in r.expert_ids] == _numpy_route(
+    x, gate, bias, 4, limit=limit, routing_groups=routing_groups
+  )
 
 
 @pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (("moe_route_limit_topk_groups=2",), "needs moe_route_limit_groups > 0"),
-        (("moe_route_limit_groups=3", "moe_route_limit_topk_groups=1"), "not divisible by 3 groups"),
-        (("moe_route_limit_groups=4", "moe_route_limit_topk_groups=5"), "between 1 and moe_route_limit_groups=4"),
-        (("moe_route_limit_groups=4", "moe_route_limit_topk_groups=0"), "between 1 and moe_route_limit_groups=4"),
-        (("moe_route_limit_groups=8", "moe_route_limit_topk_groups=1", "num_experts_per_tok=2"), "cannot supply num_experts_per_tok=2"),
-        (("n_routing_groups=4", "topk_routing_group=2", "moe_route_limit_groups=6", "moe_route_limit_topk_groups=3", "num_experts=24"), "must nest"),
-        (("num_experts=32", "n_routing_groups=8", "topk_routing_group=2", "moe_route_limit_groups=2", "moe_route_limit_topk_groups=1", "num_experts_per_tok=8"), "may hold only 1"),
-        (("moe_group_pad_multiple=8", "moe_dispatch=capacity", "capacity_factor=1.5"), "moe_group_pad_multiple"),
-    ],
+  "overrides, message",
+  [
+    (("moe_route_limit_topk_groups=2",), "needs moe_route_limit_groups > 0"),
+    (("moe_route_limit_groups=3", "moe_route_limit_topk_groups=1"), "not divisible by 3 groups"),
+    (("moe_route_limit_groups=4", "moe_route_limit_topk_groups=5"), "between 1 and moe_route_limit_groups=4"),
+    (("moe_route_limit_groups=4", "moe_route_limit_topk_groups=0"), "between 1 and moe_route_limit_groups=4"),
+    (
+      ("moe_route_limit_groups=8", "moe_route_limit_topk_groups=1", "num_experts_per_tok=2"),
+      "cannot supply num_experts_per_tok=2",
+    ),
+    (
+      (
+        "n_routing_groups=4",
+        "topk_routing_group=2",
+        "moe_route_limit_groups=6",
+        "moe_route_limit_topk_groups=3",
+        "num_experts=24",
+      ),
+      "must nest",
+    ),
+    (
+      (
+        "num_experts=32",
+        "n_routing_groups=8",
+        "topk_routing_group=2",
+        "moe_route_limit_groups=2",
+        "moe_route_limit_topk_groups=1",
+        "num_experts_per_tok=8",
+      ),
+      "may hold only 1",
+    ),
+    (("moe_group_pad_multiple=8", "moe_dispatch=capacity", "capacity_factor=1.5"), "moe_group_pad_multiple"),
+  ],
 )
 def test_bad_settings_are_user_errors(tiny_config, overrides, message):
   with pytest.raises(UserError, match=message):

@@ -28,12 +28,12 @@ SMALL = ("max_target_length=16", "steps=3", "learning_rate=1e-2", "warmup_steps_
 
 
 @pytest.mark.parametrize(
-    "mesh",
-    [
-        ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
-        ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"),
-        ("ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "moe_dispatch=capacity", "capacity_factor=2.0"),
-    ],
+  "mesh",
+  [
+    ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+    ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"),
+    ("ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "moe_dispatch=capacity", "capacity_factor=2.0"),
+  ],
 )
 def test_eight_devices_match_one_device(tiny_config, mesh):
   one = tiny_config(*SMALL, "per_device_batch_size=16", *mesh[2:] if "moe_dispatch=capacity" in mesh else ())
@@ -46,12 +46,16 @@ def test_eight_devices_match_one_device(tiny_config, mesh):
 
 def test_gradient_accumulation_matches_one_big_batch(tiny_config):
   whole = _losses(tiny_config(*SMALL, "per_device_batch_size=4"), jax.devices()[:1])
-  accumulated = _losses(tiny_config(*SMALL, "per_device_batch_size=4", "gradient_accumulation_steps=2"), jax.devices()[:1])
+  accumulated = _losses(
+    tiny_config(*SMALL, "per_device_batch_size=4", "gradient_accumulation_steps=2"), jax.devices()[:1]
+  )
   np.testing.assert_allclose(accumulated, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_tiny_recipe_learns_and_writes_its_run(tiny_config, tmp_path, capsys):
-  cfg = tiny_config("steps=80", "log_period=20", "per_device_batch_size=2", f"base_output_directory={tmp_path}", "run_name=tiny")
+  cfg = tiny_config(
+    "steps=80", "log_period=20", "per_device_batch_size=2", f"base_output_directory={tmp_path}", "run_name=tiny"
+  )
   history = train(cfg)
   losses = [h["loss"] for h in history]
   assert len(losses) == 80 and all(math.isfinite(x) for x in losses)
@@ -61,9 +65,20 @@ def test_tiny_recipe_learns_and_writes_its_run(tiny_config, tmp_path, capsys):
   assert "model_name: deepseek_v3-tiny" in (run / "config.yml").read_text()
   rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [0, 20, 40, 60, 79]
-  for key in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s_per_device", "tflops_per_device", "expert_load_max", "expert_load_mean"):
+  for key in (
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "step_time_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "expert_load_max",
+    "expert_load_mean",
+  ):
     assert all(isinstance(r[key], float) for r in rows), key
-  assert rows[-1]["expert_load_mean"] == pytest.approx(16 * 64 * 2 / 8)  # 8 devices x 2 sequences  # copies per expert per layer
+  assert rows[-1]["expert_load_mean"] == pytest.approx(
+    16 * 64 * 2 / 8
+  )  # 8 devices x 2 sequences  # copies per expert per layer
   assert list((run / "tensorboard").glob("events.out.tfevents.*"))
   out = capsys.readouterr().out
   assert "step    20 | loss" in out and "tok/s/dev" in out and "MFU -" in out
@@ -77,7 +92,14 @@ def test_model_without_mtp_checkpoints_and_its_bias_loads_into_a_new_run(tiny_co
   from MaxText import model
   from MaxText.convert.checkpoint import load_bias
 
-  common = ("steps=3", "per_device_batch_size=1", "max_target_length=16", "mtp_num_layers=0", "routed_bias_update_rate=0.01", f"base_output_directory={tmp_path}")
+  common = (
+    "steps=3",
+    "per_device_batch_size=1",
+    "max_target_length=16",
+    "mtp_num_layers=0",
+    "routed_bias_update_rate=0.01",
+    f"base_output_directory={tmp_path}",
+  )
   train(tiny_config(*common, "run_name=first"))
   step_dir = tmp_path / "first" / "checkpoints" / "3"
   assert step_dir.is_dir()
@@ -92,7 +114,11 @@ def test_model_without_mtp_checkpoints_and_its_bias_loads_into_a_new_run(tiny_co
 
 def test_relative_output_directory_checkpoints(tiny_config, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # `make train` uses base_output_directory=runs, relative to the working directory
-  train(tiny_config("steps=2", "per_device_batch_size=1", "max_target_length=16", "base_output_directory=runs", "run_name=rel"))
+  train(
+    tiny_config(
+      "steps=2", "per_device_batch_size=1", "max_target_length=16", "base_output_directory=runs", "run_name=rel"
+    )
+  )
   assert (tmp_path / "runs" / "rel" / "checkpoints" / "2").is_dir()
 
 

@@ -61,8 +61,14 @@ class _StreamedArrayHandler(ocp.type_handlers.NumpyHandler):
     for value, info, arg in zip(values, infos, args):
       await info.await_path_creation()
       spec = ocp.type_handlers.get_json_tspec_write(
-          info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape, local_shape=value.piece_shape,
-          dtype=value.dtype, process_index=0, arg=arg)
+        info,
+        use_ocdbt=info.is_ocdbt_checkpoint,
+        global_shape=value.shape,
+        local_shape=value.piece_shape,
+        dtype=value.dtype,
+        process_index=0,
+        arg=arg,
+      )
       store = await ts.open(ts.Spec(spec), create=True, open=True, context=context)
       for index, piece in value.pieces():
         await store[index].write(piece)
@@ -72,7 +78,7 @@ def _drop_empty(tree: dict) -> dict:
   out = {}
   for k, v in tree.items():
     v = _drop_empty(v) if isinstance(v, dict) else v
-    if (v if isinstance(v, dict) else v.size):
+    if v if isinstance(v, dict) else v.size:
       out[k] = v
   return out
 
@@ -82,7 +88,8 @@ def write_state(directory: Path, tree: dict) -> None:
   # A registry of our own, so that the process-wide one (training checkpoints) is left as it was.
   # (orbax wants a jax.Array handler in any registry it saves with.)
   registry = ocp.type_handlers.create_type_handler_registry(
-      (jax.Array, ocp.type_handlers.ArrayHandler()), (StreamedArray, _StreamedArrayHandler()))
+    (jax.Array, ocp.type_handlers.ArrayHandler()), (StreamedArray, _StreamedArrayHandler())
+  )
   checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
   checkpointer.save(epath.Path(directory), args=ocp.args.PyTreeSave(_drop_empty(tree)))
 
@@ -126,8 +133,9 @@ class LeafReader:
 
   def read(self, name: str, index: tuple[int, ...]) -> np.ndarray:
     if name not in self.stores:
-      info = ocp.type_handlers.ParamInfo(name=name, parent_dir=self.state, is_ocdbt_checkpoint=self.ocdbt, use_zarr3=self.zarr3,
-                                         ts_context=self.context)
+      info = ocp.type_handlers.ParamInfo(
+        name=name, parent_dir=self.state, is_ocdbt_checkpoint=self.ocdbt, use_zarr3=self.zarr3, ts_context=self.context
+      )
       spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self.ocdbt)
       self.stores[name] = ts.open(spec, context=self.context).result()
     return self.stores[name][index].read().result()
@@ -135,7 +143,9 @@ class LeafReader:
 
 def _with_sharding(abstract):
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or default), abstract)
+  return jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or default), abstract
+  )
 
 
 def _restore(path, item: str, abstract: dict) -> dict:
@@ -147,8 +157,10 @@ def _restore(path, item: str, abstract: dict) -> dict:
     if name not in stored:
       raise UserError(f"checkpoint {path} has no {name.replace('.', '/')}: it was made for another model config")
     if stored[name][0] != tuple(leaf.shape):
-      raise UserError(f"checkpoint {path}: {name.replace('.', '/')} has shape {list(stored[name][0])}, "
-                      f"the model config wants {list(leaf.shape)}")
+      raise UserError(
+        f"checkpoint {path}: {name.replace('.', '/')} has shape {list(stored[name][0])}, "
+        f"the model config wants {list(leaf.shape)}"
+      )
   target = {item: _with_sharding(abstract)}
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
@@ -178,6 +190,10 @@ def model_config_path(path: str | Path, model_config: str | Path | None = None) 
   """The model config of checkpoint `path`: `model_config` if given, else OUT/model_config.yml."""
   p = Path(model_config) if model_config else Path(path).expanduser() / MODEL_CONFIG
   if not p.is_file():
-    hint = "" if model_config else "; a checkpoint made by MaxText.convert.hf_to_orbax holds one, for others pass --model-config"
+    hint = (
+      ""
+      if model_config
+      else "; a checkpoint made by MaxText.convert.hf_to_orbax holds one, for others pass --model-config"
+    )
     raise UserError(f"model config {p} does not exist{hint}")
   return p

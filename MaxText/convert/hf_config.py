@@ -21,13 +21,35 @@ ARCHITECTURE = "DeepseekV3ForCausalLM"
 CONFIG_FILE = "config.json"
 # A field config.json leaves out takes transformers' DeepseekV3Config default, as transformers would.
 HF_DEFAULTS = {
-    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": None, "n_shared_experts": 1,
-    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
-    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
-    "rope_theta": 10000.0, "rope_interleave": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+  "vocab_size": 129280,
+  "hidden_size": 7168,
+  "intermediate_size": 18432,
+  "moe_intermediate_size": 2048,
+  "num_hidden_layers": 61,
+  "num_attention_heads": 128,
+  "num_key_value_heads": None,
+  "n_shared_experts": 1,
+  "n_routed_experts": 256,
+  "routed_scaling_factor": 2.5,
+  "kv_lora_rank": 512,
+  "q_lora_rank": 1536,
+  "qk_rope_head_dim": 64,
+  "v_head_dim": 128,
+  "qk_nope_head_dim": 128,
+  "n_group": 8,
+  "topk_group": 4,
+  "num_experts_per_tok": 8,
+  "first_k_dense_replace": 3,
+  "norm_topk_prob": True,
+  "hidden_act": "silu",
+  "max_position_embeddings": 4096,
+  "rms_norm_eps": 1e-6,
+  "tie_word_embeddings": False,
+  "attention_bias": False,
+  "rope_theta": 10000.0,
+  "rope_interleave": True,
+  "scoring_func": "sigmoid",
+  "topk_method": "noaux_tc",
 }
 
 
@@ -36,7 +58,9 @@ def read(hf_dir: Path) -> dict:
   if not hf_dir.is_dir():
     raise UserError(f"--hf-dir {hf_dir} is not a directory")
   if not path.is_file():
-    raise UserError(f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and *.safetensors shards")
+    raise UserError(
+      f"{path} does not exist; a Hugging Face checkpoint directory holds config.json and *.safetensors shards"
+    )
   try:
     cfg = json.loads(path.read_text())
   except json.JSONDecodeError as e:
@@ -78,21 +102,25 @@ def rope_keys(hf: dict) -> dict[str, Any]:
   attention_factor = params.get("attention_factor")
   if attention_factor is None:  # transformers' _compute_yarn_parameters
     both = mscale and mscale_all_dim
-    attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if both else _yarn_mscale(factor, 1.0)
+    attention_factor = (
+      _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if both else _yarn_mscale(factor, 1.0)
+    )
   if abs(attention_factor - 1.0) > 1e-12:
-    raise UserError(f"config.json: YaRN attention_factor {attention_factor:.6g} (from factor={factor}, mscale={mscale}, "
-                    f"mscale_all_dim={mscale_all_dim}) is not supported; our rotary embedding has no cos/sin scale, "
-                    "so mscale must equal mscale_all_dim, as in DeepSeek-V3")
+    raise UserError(
+      f"config.json: YaRN attention_factor {attention_factor:.6g} (from factor={factor}, mscale={mscale}, "
+      f"mscale_all_dim={mscale_all_dim}) is not supported; our rotary embedding has no cos/sin scale, "
+      "so mscale must equal mscale_all_dim, as in DeepSeek-V3"
+    )
   if params.get("truncate", True) is False:
     raise UserError("config.json: YaRN truncate=false is not supported")
   return {
-      "rope_type": "yarn",
-      "rope_max_timescale": theta,
-      "rope_factor": factor,
-      "original_max_position_embeddings": int(original),
-      "beta_fast": float(params.get("beta_fast") or 32),
-      "beta_slow": float(params.get("beta_slow") or 1),
-      "mscale": float(mscale_all_dim or 0.0),
+    "rope_type": "yarn",
+    "rope_max_timescale": theta,
+    "rope_factor": factor,
+    "original_max_position_embeddings": int(original),
+    "beta_fast": float(params.get("beta_fast") or 32),
+    "beta_slow": float(params.get("beta_slow") or 1),
+    "mscale": float(mscale_all_dim or 0.0),
   }
 
 
@@ -100,42 +128,48 @@ def to_model_keys(hf: dict, *, model_name: str, mtp_layers: int) -> dict[str, An
   """Our model and MoE keys (those a model config sets) for a DeepSeek-V3 config.json."""
   for key in ("hidden_act", "tie_word_embeddings", "attention_bias", "scoring_func", "topk_method"):
     if field(hf, key, required=False) != HF_DEFAULTS[key]:
-      raise UserError(f"config.json: {key}={json.dumps(hf[key])} is not supported; DeepSeek-V3 has {json.dumps(HF_DEFAULTS[key])}")
+      raise UserError(
+        f"config.json: {key}={json.dumps(hf[key])} is not supported; DeepSeek-V3 has {json.dumps(HF_DEFAULTS[key])}"
+      )
   if hf.get("moe_layer_freq", 1) != 1:  # DeepSeek's own code: MoE where layer % freq == 0; transformers: every layer
-    raise UserError(f"config.json: moe_layer_freq={hf['moe_layer_freq']} is not supported; DeepSeek-V3 has 1 "
-                    "(every layer after the dense ones is MoE)")
+    raise UserError(
+      f"config.json: moe_layer_freq={hf['moe_layer_freq']} is not supported; DeepSeek-V3 has 1 "
+      "(every layer after the dense ones is MoE)"
+    )
   heads = field(hf, "num_attention_heads")
   if field(hf, "num_key_value_heads", required=False) not in (None, heads):
-    raise UserError(f"config.json: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads={heads} "
-                    "(MLA has one kv head per query head)")
+    raise UserError(
+      f"config.json: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads={heads} "
+      "(MLA has one kv head per query head)"
+    )
   layers = field(hf, "num_hidden_layers")
   keys = {
-      "model_name": model_name,
-      "base_emb_dim": field(hf, "hidden_size"),
-      "base_num_query_heads": heads,
-      "base_num_kv_heads": heads,
-      "base_mlp_dim": field(hf, "intermediate_size"),
-      "base_num_decoder_layers": layers,
-      "first_num_dense_layers": min(field(hf, "first_k_dense_replace", required=False) or 0, layers),
-      "vocab_size": field(hf, "vocab_size"),
-      "normalization_layer_epsilon": float(field(hf, "rms_norm_eps")),
-      "q_lora_rank": field(hf, "q_lora_rank", required=False) or 0,  # null: a full-rank query
-      "kv_lora_rank": field(hf, "kv_lora_rank"),
-      "qk_nope_head_dim": field(hf, "qk_nope_head_dim"),
-      "qk_rope_head_dim": field(hf, "qk_rope_head_dim"),
-      "v_head_dim": field(hf, "v_head_dim"),
-      **rope_keys(hf),
-      "mtp_num_layers": mtp_layers,
-      "num_experts": field(hf, "n_routed_experts"),
-      "num_experts_per_tok": field(hf, "num_experts_per_tok"),
-      "base_moe_mlp_dim": field(hf, "moe_intermediate_size"),
-      "shared_experts": field(hf, "n_shared_experts", required=False) or 0,
-      "routed_score_func": "sigmoid",
-      "routed_scaling_factor": float(field(hf, "routed_scaling_factor")),
-      "norm_topk_prob": bool(field(hf, "norm_topk_prob")),
-      "routed_bias": True,  # transformers always adds e_score_correction_bias for the choice
-      "n_routing_groups": field(hf, "n_group", required=False) or 1,
-      "topk_routing_group": field(hf, "topk_group", required=False) or 1,
+    "model_name": model_name,
+    "base_emb_dim": field(hf, "hidden_size"),
+    "base_num_query_heads": heads,
+    "base_num_kv_heads": heads,
+    "base_mlp_dim": field(hf, "intermediate_size"),
+    "base_num_decoder_layers": layers,
+    "first_num_dense_layers": min(field(hf, "first_k_dense_replace", required=False) or 0, layers),
+    "vocab_size": field(hf, "vocab_size"),
+    "normalization_layer_epsilon": float(field(hf, "rms_norm_eps")),
+    "q_lora_rank": field(hf, "q_lora_rank", required=False) or 0,  # null: a full-rank query
+    "kv_lora_rank": field(hf, "kv_lora_rank"),
+    "qk_nope_head_dim": field(hf, "qk_nope_head_dim"),
+    "qk_rope_head_dim": field(hf, "qk_rope_head_dim"),
+    "v_head_dim": field(hf, "v_head_dim"),
+    **rope_keys(hf),
+    "mtp_num_layers": mtp_layers,
+    "num_experts": field(hf, "n_routed_experts"),
+    "num_experts_per_tok": field(hf, "num_experts_per_tok"),
+    "base_moe_mlp_dim": field(hf, "moe_intermediate_size"),
+    "shared_experts": field(hf, "n_shared_experts", required=False) or 0,
+    "routed_score_func": "sigmoid",
+    "routed_scaling_factor": float(field(hf, "routed_scaling_factor")),
+    "norm_topk_prob": bool(field(hf, "norm_topk_prob")),
+    "routed_bias": True,  # transformers always adds e_score_correction_bias for the choice
+    "n_routing_groups": field(hf, "n_group", required=False) or 1,
+    "topk_routing_group": field(hf, "topk_group", required=False) or 1,
   }
   return keys
 
@@ -153,10 +187,18 @@ def from_model_config(m: ModelConfig, moe: MoEConfig, base: dict | None, dtype: 
   first_k = (base or {}).get("first_k_dense_replace")
   if first_k is None or min(first_k, m.base_num_decoder_layers) != m.first_num_dense_layers:
     first_k = m.first_num_dense_layers
-  rope = {"rope_type": "yarn", "factor": m.rope_factor, "original_max_position_embeddings": m.original_max_position_embeddings,
-          "beta_fast": m.beta_fast, "beta_slow": m.beta_slow, "mscale": m.mscale, "mscale_all_dim": m.mscale}
+  rope = {
+    "rope_type": "yarn",
+    "factor": m.rope_factor,
+    "original_max_position_embeddings": m.original_max_position_embeddings,
+    "beta_fast": m.beta_fast,
+    "beta_slow": m.beta_slow,
+    "mscale": m.mscale,
+    "mscale_all_dim": m.mscale,
+  }
   dtype_key = "torch_dtype" if base and "torch_dtype" in base and "dtype" not in base else "dtype"
-  hf.update({
+  hf.update(
+    {
       "architectures": [ARCHITECTURE],
       "model_type": "deepseek_v3",
       "vocab_size": m.vocab_size,
@@ -189,8 +231,11 @@ def from_model_config(m: ModelConfig, moe: MoEConfig, base: dict | None, dtype: 
       "rope_theta": m.rope_max_timescale,
       "rope_interleave": rope_interleave(base),
       dtype_key: dtype,
-  })
+    }
+  )
   if m.rope_type == "yarn":
     hf["rope_scaling"] = rope  # the release's spelling; transformers >= 5 reads it as rope_parameters
-  hf.setdefault("max_position_embeddings", m.original_max_position_embeddings * (int(m.rope_factor) if m.rope_type == "yarn" else 1))
+  hf.setdefault(
+    "max_position_embeddings", m.original_max_position_embeddings * (int(m.rope_factor) if m.rope_type == "yarn" else 1)
+  )
   return hf

@@ -36,7 +36,9 @@ def parse(argv: list[str]):
   p.add_argument("--out", required=True, help="new directory for the converted checkpoint")
   p.add_argument("--dtype", default="auto", choices=DTYPES, help="parameter dtype; auto keeps each tensor's (default)")
   p.add_argument("--skip-mtp", action="store_true", help="leave out the multi-token-prediction layers")
-  p.add_argument("--model-name", default="", help="model_name in the written model config (default: the directory name)")
+  p.add_argument(
+    "--model-name", default="", help="model_name in the written model config (default: the directory name)"
+  )
   return p.parse_args(argv)
 
 
@@ -83,16 +85,28 @@ class Conversion:
       more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
       in_mtp = layout.mtp_layer_index(missing[0], self.m.base_num_decoder_layers) is not None
       hint = "; convert with --skip-mtp to leave the MTP layers out" if in_mtp else ""
-      raise UserError(f"tensor {missing[0]} is missing from {self.shards.directory}{more}; config.json says it should be there{hint}")
+      raise UserError(
+        f"tensor {missing[0]} is missing from {self.shards.directory}{more}; config.json says it should be there{hint}"
+      )
     scales = {fp8.scale_name(n) for n in expected if n in self.shards and fp8.is_fp8(self.shards.tensors[n].dtype)}
     for name, info in self.shards.tensors.items():
       skipped_mtp = mtp_skipped and layout.mtp_layer_index(name, self.m.base_num_decoder_layers) is not None
-      if name in expected or name in scales or skipped_mtp or name.endswith(IGNORED_SUFFIXES) or not math.prod(info.shape):
+      if (
+        name in expected
+        or name in scales
+        or skipped_mtp
+        or name.endswith(IGNORED_SUFFIXES)
+        or not math.prod(info.shape)
+      ):
         continue
       if layout.mtp_layer_index(name, self.m.base_num_decoder_layers) is not None:
-        raise UserError(f"unexpected tensor {name} in {info.file.name}: its layer is beyond num_hidden_layers + num_nextn_predict_layers "
-                        f"({self.m.base_num_decoder_layers} + {self.m.mtp_num_layers}) in config.json; --skip-mtp leaves MTP layers out")
-      raise UserError(f"unexpected tensor {name} in {info.file.name}: not part of a DeepSeek-V3 checkpoint with this config.json")
+        raise UserError(
+          f"unexpected tensor {name} in {info.file.name}: its layer is beyond num_hidden_layers + num_nextn_predict_layers "
+          f"({self.m.base_num_decoder_layers} + {self.m.mtp_num_layers}) in config.json; --skip-mtp leaves MTP layers out"
+        )
+      raise UserError(
+        f"unexpected tensor {name} in {info.file.name}: not part of a DeepSeek-V3 checkpoint with this config.json"
+      )
 
   def _check_tensors(self, all_entries):
     for e in all_entries:
@@ -101,7 +115,9 @@ class Conversion:
       info = self.shards.tensors[e.hf_name]
       want = layout.hf_shape(e, self.shapes)
       if info.shape != want:
-        raise UserError(f"tensor {e.hf_name} in {info.file.name} has shape {list(info.shape)}, but config.json implies {list(want)}")
+        raise UserError(
+          f"tensor {e.hf_name} in {info.file.name} has shape {list(info.shape)}, but config.json implies {list(want)}"
+        )
       if info.dtype.name not in FLOATS and not fp8.is_fp8(info.dtype):
         raise UserError(f"tensor {e.hf_name} in {info.file.name} has dtype {info.dtype}, not a floating-point type")
       if fp8.is_fp8(info.dtype):
@@ -111,23 +127,31 @@ class Conversion:
         want_scale = fp8.scale_shape(info.shape, self.block)
         if self.shards.tensors[scale].shape != want_scale:
           got = list(self.shards.tensors[scale].shape)
-          raise UserError(f"{scale} has shape {got}, but blocks of {list(self.block)} over {list(info.shape)} need {list(want_scale)}")
+          raise UserError(
+            f"{scale} has shape {got}, but blocks of {list(self.block)} over {list(info.shape)} need {list(want_scale)}"
+          )
 
   def _leaf_dtype(self, leaf, dtype: str) -> np.dtype:
     if leaf[0] == "bias":
       return np.dtype(np.float32)
     if dtype != "auto":
       return np.dtype(dtype)
-    stored = {self.fp8_to if fp8.is_fp8(d) else d for d in (self.shards.tensors[e.hf_name].dtype for e in self.by_leaf[leaf])}
+    stored = {
+      self.fp8_to if fp8.is_fp8(d) else d for d in (self.shards.tensors[e.hf_name].dtype for e in self.by_leaf[leaf])
+    }
     return stored.pop() if len(stored) == 1 else np.dtype(np.float32)  # mixed: float32 holds each exactly
 
   def check_aliases(self) -> None:
     """An MTP module's embed_tokens / shared_head.head must equal the main ones: ours shares them."""
     for e in self.aliases:
       main = {("params", "embed"): "model.embed_tokens.weight", ("params", "head"): "lm_head.weight"}[e.leaf]
-      same = all(np.array_equal(a, b) for a, b in zip(self.shards.read_rows(e.hf_name, 4096), self.shards.read_rows(main, 4096)))
+      same = all(
+        np.array_equal(a, b) for a, b in zip(self.shards.read_rows(e.hf_name, 4096), self.shards.read_rows(main, 4096))
+      )
       if not same:
-        raise UserError(f"{e.hf_name} differs from {main}; our MTP modules share the main embedding and head, so convert with --skip-mtp")
+        raise UserError(
+          f"{e.hf_name} differs from {main}; our MTP modules share the main embedding and head, so convert with --skip-mtp"
+        )
 
   def _load(self, e: layout.Entry, dtype: np.dtype) -> np.ndarray:
     x = self.shards.read(e.hf_name)
@@ -151,8 +175,10 @@ class Conversion:
 
 
 def model_config_text(keys: dict, hf_dir: Path, note: str) -> str:
-  header = (f"# DeepSeek-V3 model config converted from {hf_dir.resolve()}/config.json by MaxText.convert.hf_to_orbax\n"
-            f"# ({note}). Use it as a recipe's model_config; the weights are in state/ beside it.\n")
+  header = (
+    f"# DeepSeek-V3 model config converted from {hf_dir.resolve()}/config.json by MaxText.convert.hf_to_orbax\n"
+    f"# ({note}). Use it as a recipe's model_config; the weights are in state/ beside it.\n"
+  )
   return header + yaml.safe_dump(keys, sort_keys=False)
 
 

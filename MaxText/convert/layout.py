@@ -117,7 +117,7 @@ def leaf_shapes(m: ModelConfig, moe_cfg: MoEConfig) -> dict[tuple[str, ...], tup
 
 def hf_shape(e: Entry, shapes: dict) -> tuple[int, ...]:
   """The shape the HF tensor of `e` has, given our leaf shapes."""
-  return tuple(e.transform.hf_shape(shapes[e.leaf][len(e.index):]))
+  return tuple(e.transform.hf_shape(shapes[e.leaf][len(e.index) :]))
 
 
 def rope_pairs(dim: int) -> np.ndarray:
@@ -135,25 +135,27 @@ def _columns(total: int, rope_start: int, rope_dim: int, interleaved: bool, repe
   return (np.arange(repeat)[:, None] * total + one[None, :]).reshape(-1)
 
 
-def _layer(prefix: str, leaf: tuple, i: tuple, m: ModelConfig, moe_cfg: MoEConfig | None, bias_leaf, interleaved: bool) -> list[Entry]:
+def _layer(
+  prefix: str, leaf: tuple, i: tuple, m: ModelConfig, moe_cfg: MoEConfig | None, bias_leaf, interleaved: bool
+) -> list[Entry]:
   """The tensors of HF decoder layer `prefix` -> slice `i` of our stack `leaf` (moe_cfg None: a dense layer)."""
   h, nope, rope, kv = m.base_num_query_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
   q_cols = _columns(m.qk_head_dim, nope, rope, interleaved, repeat=h)
   a = prefix + "self_attn."
   mla = leaf + ("mla",)
   out = [
-      Entry(prefix + "input_layernorm.weight", leaf + ("attn_norm",), i, Copy()),
-      Entry(prefix + "post_attention_layernorm.weight", leaf + ("ffn_norm",), i, Copy()),
-      Entry(a + "kv_a_proj_with_mqa.weight", mla + ("wkv_a",), i, Linear(_columns(kv + rope, kv, rope, interleaved))),
-      Entry(a + "kv_a_layernorm.weight", mla + ("kv_norm",), i, Copy()),
-      Entry(a + "kv_b_proj.weight", mla + ("wkv_b",), i, HeadsIn(nope + m.v_head_dim)),
-      Entry(a + "o_proj.weight", mla + ("wo",), i, HeadsOut(m.v_head_dim)),
+    Entry(prefix + "input_layernorm.weight", leaf + ("attn_norm",), i, Copy()),
+    Entry(prefix + "post_attention_layernorm.weight", leaf + ("ffn_norm",), i, Copy()),
+    Entry(a + "kv_a_proj_with_mqa.weight", mla + ("wkv_a",), i, Linear(_columns(kv + rope, kv, rope, interleaved))),
+    Entry(a + "kv_a_layernorm.weight", mla + ("kv_norm",), i, Copy()),
+    Entry(a + "kv_b_proj.weight", mla + ("wkv_b",), i, HeadsIn(nope + m.v_head_dim)),
+    Entry(a + "o_proj.weight", mla + ("wo",), i, HeadsOut(m.v_head_dim)),
   ]
   if m.q_lora_rank > 0:
     out += [
-        Entry(a + "q_a_proj.weight", mla + ("wq_a",), i, Linear()),
-        Entry(a + "q_a_layernorm.weight", mla + ("q_norm",), i, Copy()),
-        Entry(a + "q_b_proj.weight", mla + ("wq_b",), i, HeadsIn(m.qk_head_dim, q_cols)),
+      Entry(a + "q_a_proj.weight", mla + ("wq_a",), i, Linear()),
+      Entry(a + "q_a_layernorm.weight", mla + ("q_norm",), i, Copy()),
+      Entry(a + "q_b_proj.weight", mla + ("wq_b",), i, HeadsIn(m.qk_head_dim, q_cols)),
     ]
   else:
     out.append(Entry(a + "q_proj.weight", mla + ("wq",), i, HeadsIn(m.qk_head_dim, q_cols)))
@@ -162,8 +164,8 @@ def _layer(prefix: str, leaf: tuple, i: tuple, m: ModelConfig, moe_cfg: MoEConfi
   if moe_cfg is None:
     return out + [Entry(mlp + f"{hf}_proj.weight", ffn + (ours,), i, Linear()) for hf, ours in swiglu]
   out += [
-      Entry(mlp + "gate.weight", ffn + ("gate",), i, Linear()),
-      Entry(mlp + "gate.e_score_correction_bias", bias_leaf, i, Copy()),
+    Entry(mlp + "gate.weight", ffn + ("gate",), i, Linear()),
+    Entry(mlp + "gate.e_score_correction_bias", bias_leaf, i, Copy()),
   ]
   for e in range(moe_cfg.num_experts):
     out += [Entry(mlp + f"experts.{e}.{hf}_proj.weight", ffn + (ours,), i + (e,), Linear()) for hf, ours in swiglu]
@@ -175,9 +177,9 @@ def _layer(prefix: str, leaf: tuple, i: tuple, m: ModelConfig, moe_cfg: MoEConfi
 def entries(m: ModelConfig, moe_cfg: MoEConfig, interleaved: bool = True) -> list[Entry]:
   """Every HF tensor of a DeepSeek-V3 checkpoint with this config (MTP modules: m.mtp_num_layers), in HF order."""
   out = [
-      Entry("model.embed_tokens.weight", ("params", "embed"), (), Copy()),
-      Entry("model.norm.weight", ("params", "final_norm"), (), Copy()),
-      Entry("lm_head.weight", ("params", "head"), (), Linear()),
+    Entry("model.embed_tokens.weight", ("params", "embed"), (), Copy()),
+    Entry("model.norm.weight", ("params", "final_norm"), (), Copy()),
+    Entry("lm_head.weight", ("params", "head"), (), Linear()),
   ]
   dense = m.first_num_dense_layers
   for i in range(m.base_num_decoder_layers):
@@ -189,12 +191,12 @@ def entries(m: ModelConfig, moe_cfg: MoEConfig, interleaved: bool = True) -> lis
   for k in range(m.mtp_num_layers):
     prefix, leaf, i = f"model.layers.{m.base_num_decoder_layers + k}.", ("params", "mtp_layers"), (k,)
     out += [
-        Entry(prefix + "enorm.weight", leaf + ("embed_norm",), i, Copy()),
-        Entry(prefix + "hnorm.weight", leaf + ("hidden_norm",), i, Copy()),
-        Entry(prefix + "eh_proj.weight", leaf + ("proj",), i, Linear()),
-        Entry(prefix + "shared_head.norm.weight", leaf + ("final_norm",), i, Copy()),
-        Entry(prefix + "embed_tokens.weight", ("params", "embed"), (), Copy(), alias=True),
-        Entry(prefix + "shared_head.head.weight", ("params", "head"), (), Linear(), alias=True),
+      Entry(prefix + "enorm.weight", leaf + ("embed_norm",), i, Copy()),
+      Entry(prefix + "hnorm.weight", leaf + ("hidden_norm",), i, Copy()),
+      Entry(prefix + "eh_proj.weight", leaf + ("proj",), i, Linear()),
+      Entry(prefix + "shared_head.norm.weight", leaf + ("final_norm",), i, Copy()),
+      Entry(prefix + "embed_tokens.weight", ("params", "embed"), (), Copy(), alias=True),
+      Entry(prefix + "shared_head.head.weight", ("params", "head"), (), Linear(), alias=True),
     ]
     out += _layer(prefix, leaf + ("layer",), i, m, moe_cfg, ("bias", "mtp_layers"), interleaved)
   return out

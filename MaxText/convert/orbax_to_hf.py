@@ -35,7 +35,9 @@ def parse(argv: list[str]):
   p.add_argument("--checkpoint", required=True, help="a converted checkpoint (OUT) or a training checkpoint step")
   p.add_argument("--out", required=True, help="new directory for config.json and the safetensors shards")
   p.add_argument("--dtype", default="auto", choices=DTYPES, help="tensor dtype; auto keeps each stored one (default)")
-  p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB (a bigger tensor gets a shard of its own)")
+  p.add_argument(
+    "--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB (a bigger tensor gets a shard of its own)"
+  )
   p.add_argument("--model-config", default="", help="model config YAML (default: the checkpoint's model_config.yml)")
   return p.parse_args(argv)
 
@@ -80,7 +82,9 @@ def check_leaves(stored: dict, shapes: dict, where: str) -> None:
     if name not in stored:
       raise UserError(f"checkpoint {where} has no {'/'.join(leaf)}, which its model config needs")
     if stored[name][0] != shape:
-      raise UserError(f"checkpoint {where}: {'/'.join(leaf)} has shape {list(stored[name][0])}, its model config implies {list(shape)}")
+      raise UserError(
+        f"checkpoint {where}: {'/'.join(leaf)} has shape {list(stored[name][0])}, its model config implies {list(shape)}"
+      )
 
 
 def main(argv: list[str]) -> int:
@@ -107,7 +111,9 @@ def main(argv: list[str]) -> int:
 
   def produce(name: str) -> np.ndarray:
     t = by_name[name]
-    return np.ascontiguousarray(t.entry.transform.to_hf(reader.read(".".join(t.entry.leaf), t.entry.index)), dtype=t.dtype)
+    return np.ascontiguousarray(
+      t.entry.transform.to_hf(reader.read(".".join(t.entry.leaf), t.entry.index)), dtype=t.dtype
+    )
 
   shards = split(tensors, max_bytes)
   config_dtype = args.dtype if args.dtype != "auto" else str(stored["params.embed"][1])
@@ -115,8 +121,10 @@ def main(argv: list[str]) -> int:
     for file, part in shards.items():
       safetensors_io.write_file(tmp / file, [(t.name, t.dtype, t.shape) for t in part], produce)
     if len(shards) > 1:
-      index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-               "weight_map": {t.name: file for file, part in shards.items() for t in part}}
+      index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+        "weight_map": {t.name: file for file, part in shards.items() for t in part},
+      }
       (tmp / safetensors_io.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     config = hf_config.from_model_config(m, moe, base, config_dtype)
     (tmp / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -22,18 +22,18 @@ import numpy as np
 from MaxText.errors import UserError
 
 DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+  "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+  "I64": np.dtype(np.int64),
+  "I32": np.dtype(np.int32),
+  "I16": np.dtype(np.int16),
+  "I8": np.dtype(np.int8),
+  "U8": np.dtype(np.uint8),
+  "BOOL": np.dtype(np.bool_),
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,7 +77,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     begin, end = entry["data_offsets"]
     info = TensorInfo(name, path, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin)
     if end - begin != info.nbytes or info.offset + info.nbytes > size:
-      raise UserError(f"{path}: tensor {name} does not fit its shape {list(info.shape)} (the file is truncated or corrupt)")
+      raise UserError(
+        f"{path}: tensor {name} does not fit its shape {list(info.shape)} (the file is truncated or corrupt)"
+      )
     tensors[name] = info
   return tensors
 
@@ -128,7 +130,9 @@ class ShardedCheckpoint:
       yield np.array(data[start : start + rows])
 
 
-def write_file(path: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...]]], produce: Callable[[str], np.ndarray]) -> None:
+def write_file(
+  path: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...]]], produce: Callable[[str], np.ndarray]
+) -> None:
   """Writes `tensors` (name, dtype, shape) into one safetensors file, asking `produce(name)` for each in turn."""
   header, offset = {}, 0
   for name, dtype, shape in tensors:
@@ -143,5 +147,11 @@ def write_file(path: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...]]],
     f.write(text)
     for name, dtype, shape in tensors:
       array = np.ascontiguousarray(produce(name))
-      assert array.dtype == np.dtype(dtype) and array.shape == tuple(shape), (name, array.dtype, array.shape, dtype, shape)
+      assert array.dtype == np.dtype(dtype) and array.shape == tuple(shape), (
+        name,
+        array.dtype,
+        array.shape,
+        dtype,
+        shape,
+      )
       f.write(memoryview(array.reshape(-1).view(np.uint8)))

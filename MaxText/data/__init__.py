@@ -22,8 +22,16 @@ from MaxText.data.synthetic import SyntheticData, SyntheticIterator
 __all__ = ["SyntheticData", "SyntheticIterator", "make_iterator"]
 
 
-def make_iterator(cfg: DataConfig, *, local_batch: int, global_batch: int, seq_len: int, vocab_size: int,
-                  process_index: int = 0, process_count: int = 1):
+def make_iterator(
+  cfg: DataConfig,
+  *,
+  local_batch: int,
+  global_batch: int,
+  seq_len: int,
+  vocab_size: int,
+  process_index: int = 0,
+  process_count: int = 1,
+):
   """The iterator of this process's batches (`local_batch` rows each) for `cfg.dataset_type`.
 
   Opening a real dataset checks that its files and tokenizer are there and readable (UserError
@@ -33,5 +41,11 @@ def make_iterator(cfg: DataConfig, *, local_batch: int, global_batch: int, seq_l
     return SyntheticIterator(SyntheticData(cfg, global_batch, seq_len, vocab_size), process_index, process_count)
   from MaxText.data import pipeline
 
-  return pipeline.make_iterator(cfg, local_batch=local_batch, seq_len=seq_len, vocab_size=vocab_size,
-                                process_index=process_index, process_count=process_count)
+  return pipeline.make_iterator(
+    cfg,
+    local_batch=local_batch,
+    seq_len=seq_len,
+    vocab_size=vocab_size,
+    process_index=process_index,
+    process_count=process_count,
+  )

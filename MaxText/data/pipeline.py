@@ -34,7 +34,9 @@ class Tokenize:
     self.bos = self.eos = None
     if self.tok is not None:
       if self.tok.vocab_size > vocab_size:
-        raise UserError(f"tokenizer {cfg.tokenizer_path} has {self.tok.vocab_size} tokens but vocab_size={vocab_size}; raise vocab_size")
+        raise UserError(
+          f"tokenizer {cfg.tokenizer_path} has {self.tok.vocab_size} tokens but vocab_size={vocab_size}; raise vocab_size"
+        )
       for flag, token_id, name in ((cfg.add_bos, self.tok.bos_id, "BOS"), (cfg.add_eos, self.tok.eos_id, "EOS")):
         if flag and token_id is None:
           raise UserError(f"tokenizer {cfg.tokenizer_path} has no {name} token; set add_{name.lower()}=false")
@@ -45,7 +47,9 @@ class Tokenize:
     if self.tok is None:
       ids = np.asarray(document, np.int64).reshape(-1)
       if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-        raise ValueError(f"token id {ids.max() if ids.max() >= self.vocab_size else ids.min()} is outside vocab_size={self.vocab_size}")
+        raise ValueError(
+          f"token id {ids.max() if ids.max() >= self.vocab_size else ids.min()} is outside vocab_size={self.vocab_size}"
+        )
       return ids.astype(np.int32)
     text = document.decode("utf-8") if isinstance(document, bytes) else str(document)
     ids = self.tok.encode(text)
@@ -65,7 +69,11 @@ def pieces(ids: np.ndarray, seq_len: int) -> list[dict]:
 def pad_row(piece: dict, seq_len: int) -> dict:
   n = len(piece["inputs"])
   pad = lambda a: np.pad(a, (0, seq_len - n))  # noqa: E731
-  return {"inputs": pad(piece["inputs"]), "targets": pad(piece["targets"]), "targets_segment_ids": pad(np.ones(n, np.int32))}
+  return {
+    "inputs": pad(piece["inputs"]),
+    "targets": pad(piece["targets"]),
+    "targets_segment_ids": pad(np.ones(n, np.int32)),
+  }
 
 
 class BatchIterator:
@@ -91,14 +99,18 @@ class BatchIterator:
     self.it.set_state(state)
 
 
-def make_iterator(cfg: DataConfig, *, local_batch: int, seq_len: int, vocab_size: int, process_index: int = 0, process_count: int = 1):
+def make_iterator(
+  cfg: DataConfig, *, local_batch: int, seq_len: int, vocab_size: int, process_index: int = 0, process_count: int = 1
+):
   import grain
   from grain.experimental import FirstFitPackIterDataset, FlatMapIterDataset, FlatMapTransform
 
   tokenize = Tokenize(cfg, vocab_size)  # the tokenizer first: it is cheaper to check than the data
   source = sources.open_source(cfg)
   if len(source) < process_count:
-    raise UserError(f"{sources.describe(cfg)} has {len(source)} documents, fewer than the {process_count} processes reading it")
+    raise UserError(
+      f"{sources.describe(cfg)} has {len(source)} documents, fewer than the {process_count} processes reading it"
+    )
 
   class Pieces(FlatMapTransform):
     max_fan_out = 1 << 30  # bounded by the longest document, not a fixed number

@@ -59,7 +59,9 @@ class Column:
     if self.parse is not None:
       record = self.parse(record)
     if self.column not in record:
-      raise UserError(f"{self.where} has no column '{self.column}' (train_data_columns); it has: {', '.join(sorted(record))}")
+      raise UserError(
+        f"{self.where} has no column '{self.column}' (train_data_columns); it has: {', '.join(sorted(record))}"
+      )
     return record[self.column]
 
 
@@ -122,7 +124,9 @@ def _read_arrow(files: list[str], kind: str, where: str):
 
 def _arrow_column(table, column: str, where: str):
   if column not in table.column_names:
-    raise UserError(f"{where} has no column '{column}' (train_data_columns); it has: {', '.join(sorted(table.column_names))}")
+    raise UserError(
+      f"{where} has no column '{column}' (train_data_columns); it has: {', '.join(sorted(table.column_names))}"
+    )
   return table.column(column).combine_chunks().to_pylist()
 
 
@@ -160,9 +164,13 @@ def _hf(cfg: DataConfig):
           raise UserError(f"hf_train_files: {pattern} matches no files")
       if cfg.hf_path not in HF_BUILDERS and not path.exists():
         builders = ", ".join(HF_BUILDERS)
-        raise UserError(f"hf_path {cfg.hf_path} is neither a local directory nor a builder ({builders}); hub datasets are not fetched")
+        raise UserError(
+          f"hf_path {cfg.hf_path} is neither a local directory nor a builder ({builders}); hub datasets are not fetched"
+        )
       data_files = {cfg.train_split: files} if files else None
-      loaded = datasets.load_dataset(cfg.hf_path, data_dir=cfg.hf_data_dir or None, data_files=data_files, split=cfg.train_split)
+      loaded = datasets.load_dataset(
+        cfg.hf_path, data_dir=cfg.hf_data_dir or None, data_files=data_files, split=cfg.train_split
+      )
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 - datasets raises many kinds for a bad path or split

@@ -20,7 +20,7 @@ from MaxText.errors import UserError
 
 # Llama 3's pre-tokenizer pattern, used for tiktoken rank files.
 TIKTOKEN_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 TIKTOKEN_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>")
 HF_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
@@ -53,7 +53,9 @@ class TikToken:
     if not ranks:
       raise ValueError("no ranks")
     special = {name: len(ranks) + i for i, name in enumerate(TIKTOKEN_SPECIAL)}
-    self.enc = tiktoken.Encoding(name=path.name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+    self.enc = tiktoken.Encoding(
+      name=path.name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks, special_tokens=special
+    )
     self.vocab_size = self.enc.n_vocab
     self.bos_id, self.eos_id = special[TIKTOKEN_SPECIAL[0]], special[TIKTOKEN_SPECIAL[1]]
 
@@ -84,7 +86,7 @@ class HuggingFace:
     return out
 
   def _find(self, name: str | None, fallbacks: tuple[str, ...]) -> int | None:
-    for candidate in ((name,) if name else fallbacks):
+    for candidate in (name,) if name else fallbacks:
       token_id = self.tok.token_to_id(candidate)
       if token_id is not None:
         return token_id

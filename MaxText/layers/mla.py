@@ -31,7 +31,9 @@ def mla_specs(cfg: ModelConfig) -> dict:
     specs["wq"] = ParamSpec((d, h, cfg.qk_head_dim), ("embed", "heads", "head_dim"))
   specs["wkv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
   specs["kv_norm"] = rms_norm_spec(cfg.kv_lora_rank)
-  specs["wkv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora_in", "heads", "head_dim"))
+  specs["wkv_b"] = ParamSpec(
+    (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora_in", "heads", "head_dim")
+  )
   specs["wo"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
   return specs
 
@@ -97,7 +99,9 @@ def _cudnn_takes_mla() -> bool:
 ATTENTION = {"dot_product": dot_product_attention, "cudnn_flash": cudnn_flash_attention}
 
 
-def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, shard, segment_ids=None) -> jax.Array:
+def mla(
+  p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, shard, segment_ids=None
+) -> jax.Array:
   """x [batch, seq, embed] -> [batch, seq, embed]; rope = (cos, sin) from rope.rope_tables;
   segment_ids [batch, seq] or None (see dot_product_attention)."""
   eps, nope = cfg.normalization_layer_epsilon, cfg.qk_nope_head_dim
@@ -120,7 +124,9 @@ def mla(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConf
   with jax.named_scope("attention"):
     # Checkpoint names (MaxText/remat.py) for what remat_policy may keep for the backward pass.
     q = checkpoint_name(jnp.concatenate([q_nope, q_rope], axis=-1), "query_proj")
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
+    k = jnp.concatenate(
+      [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1
+    )
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     out = shard(ATTENTION[cfg.attention](q, k, v, softmax_scale(cfg), segment_ids), ("batch", "seq", "act_heads", None))
     out = checkpoint_name(out, "attention_out")

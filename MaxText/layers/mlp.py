@@ -9,9 +9,9 @@ from MaxText.params import ParamSpec
 
 def mlp_specs(emb_dim: int, mlp_dim: int) -> dict:
   return {
-      "wi_0": ParamSpec((emb_dim, mlp_dim), ("embed", "mlp")),
-      "wi_1": ParamSpec((emb_dim, mlp_dim), ("embed", "mlp")),
-      "wo": ParamSpec((mlp_dim, emb_dim), ("mlp", "embed")),
+    "wi_0": ParamSpec((emb_dim, mlp_dim), ("embed", "mlp")),
+    "wi_1": ParamSpec((emb_dim, mlp_dim), ("embed", "mlp")),
+    "wo": ParamSpec((mlp_dim, emb_dim), ("mlp", "embed")),
   }
 
 

@@ -38,17 +38,19 @@ class MoEStats(NamedTuple):
 def moe_specs(emb_dim: int, cfg: MoEConfig) -> dict:
   e, f = cfg.num_experts, cfg.base_moe_mlp_dim
   specs = {
-      "gate": ParamSpec((emb_dim, e), ("embed", "exp_router")),
-      "wi_0": ParamSpec((e, emb_dim, f), ("exp", "embed", "mlp")),
-      "wi_1": ParamSpec((e, emb_dim, f), ("exp", "embed", "mlp")),
-      "wo": ParamSpec((e, f, emb_dim), ("exp", "mlp", "embed")),
+    "gate": ParamSpec((emb_dim, e), ("embed", "exp_router")),
+    "wi_0": ParamSpec((e, emb_dim, f), ("exp", "embed", "mlp")),
+    "wi_1": ParamSpec((e, emb_dim, f), ("exp", "embed", "mlp")),
+    "wo": ParamSpec((e, f, emb_dim), ("exp", "mlp", "embed")),
   }
   if cfg.shared_experts:
     specs["shared"] = mlp_specs(emb_dim, f * cfg.shared_experts)
   return specs
 
 
-def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q=None, quantize_with_activation=False) -> jax.Array:
+def routed_experts(
+  p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q=None, quantize_with_activation=False
+) -> jax.Array:
   """rows_q: the rows already quantised (fp8_blockwise with quantize_before_permute), for gate and up.
   quantize_with_activation: the down GEMM's input made in its quantisation pass (fp8_blockwise)."""
   with jax.named_scope("gmm"):
@@ -70,7 +72,9 @@ def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q
 
 def _expert_gmm(cfg: MoEConfig):
   # mxfp8_impl=auto is resolved by the Trainer (which logs it); a layer built on its own decides here.
-  return quantized_gmm(cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels, resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0]))
+  return quantized_gmm(
+    cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels, resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0])
+  )
 
 
 def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[jax.Array, MoEStats]:
@@ -83,13 +87,17 @@ def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[
       shared = mlp(p["shared"], x, shard)
   with jax.named_scope("router"):
     r = router.route(tokens, p["gate"], bias, cfg)
-  balance = router.sequence_balance_loss(r, batch, cfg) if cfg.load_balance_loss_weight > 0 else jnp.zeros((), jnp.float32)
+  balance = (
+    router.sequence_balance_loss(r, batch, cfg) if cfg.load_balance_loss_weight > 0 else jnp.zeros((), jnp.float32)
+  )
   load = router.expert_load(r.expert_ids, cfg.num_experts)
   if ep.is_ep(cfg.moe_dispatch):
     from MaxText.moe.ep.parallel import routed_ep
 
     gmm = _expert_gmm(cfg)
-    experts = lambda w, rows, sizes: routed_experts(w, rows, sizes, gmm, quantize_with_activation=cfg.quantize_with_activation)  # noqa: E731
+    experts = lambda w, rows, sizes: routed_experts(
+      w, rows, sizes, gmm, quantize_with_activation=cfg.quantize_with_activation
+    )  # noqa: E731
     out, overflow, sent, nodedup = routed_ep(experts, p, x, r.expert_ids, r.weights, cfg, shard.mesh)
     out = out if shared is None else out + shared
     return out, MoEStats(load, jnp.zeros((), jnp.int32), balance, overflow, sent, nodedup)

@@ -60,7 +60,9 @@ def plan(expert_ids: jax.Array, num_experts: int, pad_multiple: int = 0) -> Plan
   _, inverse = jax.lax.sort((order, iota), num_keys=1, is_stable=True)  # sorted position of each copy
   # starts[e] = first sorted position of expert e: a binary search (no histogram scatter), unrolled,
   # since a looped one costs a kernel launch per level (17 for 65,536 copies) on a GPU.
-  bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left", method="scan_unrolled")
+  bounds = jnp.searchsorted(
+    sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left", method="scan_unrolled"
+  )
   starts, sizes = bounds[:-1].astype(jnp.int32), jnp.diff(bounds).astype(jnp.int32)
   ignored = flat == num_experts
   if pad_multiple <= 1:
@@ -77,7 +79,9 @@ def plan(expert_ids: jax.Array, num_experts: int, pad_multiple: int = 0) -> Plan
   dest = jnp.where(ignored, rows, inverse + shift[flat])
   # Row r belongs to the group whose padded range holds it; it is real if within the group's size.
   r = jnp.arange(rows, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(padded_ends, r, side="right", method="scan_unrolled"), num_experts - 1).astype(jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(padded_ends, r, side="right", method="scan_unrolled"), num_experts - 1).astype(
+    jnp.int32
+  )
   within = r - padded_starts[group]
   real = (within < sizes[group]) & (r < padded_ends[-1])
   source = jnp.clip(starts[group] + within, 0, copies - 1)

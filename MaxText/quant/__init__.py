@@ -71,7 +71,9 @@ def resolve_mxfp8(impl: str, device: jax.Device) -> str:
 
 
 @functools.cache
-def quantized_gmm(name: str, backend: str, mosaic_kernels: str | None = None, mxfp8_impl: str = "emulated") -> gmm_registry.Gmm:
+def quantized_gmm(
+  name: str, backend: str, mosaic_kernels: str | None = None, mxfp8_impl: str = "emulated"
+) -> gmm_registry.Gmm:
   """The grouped GEMM for `quantization=name` on the resolved `moe_gmm_backend` (not auto), with mosaic's
   kernel set `mosaic_kernels` (moe_mosaic_kernels; None: the default) and, for mxfp8, the resolved
   `mxfp8_impl` (resolve_mxfp8)."""
@@ -92,7 +94,9 @@ def quantized_gmm(name: str, backend: str, mosaic_kernels: str | None = None, mx
   from MaxText.quant import fp8_blockwise
 
   if backend == "mosaic" and not gmm_registry.available("mosaic"):
-    raise RuntimeError("quantization=fp8_blockwise with moe_gmm_backend=mosaic needs jax's Pallas Mosaic GPU; upgrade jax")
+    raise RuntimeError(
+      "quantization=fp8_blockwise with moe_gmm_backend=mosaic needs jax's Pallas Mosaic GPU; upgrade jax"
+    )
   return fp8_blockwise.make_gmm(fp8_kernels(backend, mosaic_kernels))
 
 
@@ -101,7 +105,12 @@ def labels() -> list[str]:
   fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS, mxfp8:IMPL for an mxfp8_impl."""
   from MaxText.quant import fp8_blockwise
 
-  return ["fp8_blockwise", *(f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS), "mxfp8", *(f"mxfp8:{i}" for i in MXFP8_IMPLS)]
+  return [
+    "fp8_blockwise",
+    *(f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS),
+    "mxfp8",
+    *(f"mxfp8:{i}" for i in MXFP8_IMPLS),
+  ]
 
 
 def labelled_gmm(label: str, device: jax.Device) -> gmm_registry.Gmm:
@@ -134,18 +143,29 @@ def fp8_kernels(backend: str, mosaic_kernels: str | None = None):
 def describe(name: str, backend: str, device: jax.Device, mxfp8_impl: str = "emulated") -> str:
   """One log line: what runs for the expert GEMMs, and whether it is emulated."""
   if name == "mxfp8" and mxfp8_impl == "block_scaled":
-    where = ("the tensor cores' block-scaled MMA" if has_block_scaled_mma(device) else
-             f"dequantised by XLA first: {device.device_kind} has no block-scaled MMA (mxfp8_impl=auto picks the emulation here)")
-    return (f"quantization=mxfp8: e4m3 operands with e8m0 scales per 32 into jax.lax.scaled_dot (XLA's Triton GEMM), "
-            f"one product per group window, {where}")
+    where = (
+      "the tensor cores' block-scaled MMA"
+      if has_block_scaled_mma(device)
+      else f"dequantised by XLA first: {device.device_kind} has no block-scaled MMA (mxfp8_impl=auto picks the emulation here)"
+    )
+    return (
+      f"quantization=mxfp8: e4m3 operands with e8m0 scales per 32 into jax.lax.scaled_dot (XLA's Triton GEMM), "
+      f"one product per group window, {where}"
+    )
   if name == "mxfp8":
-    return (f"quantization=mxfp8 is emulated on {device.device_kind}: operands quantised to MXFP8 and dequantised "
-            f"into the {backend} grouped GEMM ({device.device_kind} has no block-scaled MMA; mxfp8_impl=block_scaled "
-            "runs the products on it where it does, sm_100+)")
+    return (
+      f"quantization=mxfp8 is emulated on {device.device_kind}: operands quantised to MXFP8 and dequantised "
+      f"into the {backend} grouped GEMM ({device.device_kind} has no block-scaled MMA; mxfp8_impl=block_scaled "
+      "runs the products on it where it does, sm_100+)"
+    )
   if name == "fp8_blockwise":
     if backend == "mosaic":
-      return ("quantization=fp8_blockwise: e4m3 Pallas Mosaic GPU grouped GEMMs (sm_90 wgmma), "
-              "block scales applied in the kernel, fp32 accumulation")
-    return ("quantization=fp8_blockwise: jnp reference kernels (same blockwise math; fp32 products, no fp8 speed-up); "
-            "use moe_gmm_backend=mosaic on Hopper")
+      return (
+        "quantization=fp8_blockwise: e4m3 Pallas Mosaic GPU grouped GEMMs (sm_90 wgmma), "
+        "block scales applied in the kernel, fp32 accumulation"
+      )
+    return (
+      "quantization=fp8_blockwise: jnp reference kernels (same blockwise math; fp32 products, no fp8 speed-up); "
+      "use moe_gmm_backend=mosaic on Hopper"
+    )
   return "quantization off"

@@ -20,7 +20,15 @@ import jax.numpy as jnp
 
 from MaxText.moe.gmm import vjp
 from MaxText.quant import fp8_mosaic, fp8_reference, quantize_kernels
-from MaxText.quant.formats import FP8_BLOCK, WEIGHT_BLOCKS, Quantized, activation_quantize, blockwise_quantize, dequantize, weight_quantize
+from MaxText.quant.formats import (
+  FP8_BLOCK,
+  WEIGHT_BLOCKS,
+  Quantized,
+  activation_quantize,
+  blockwise_quantize,
+  dequantize,
+  weight_quantize,
+)
 from MaxText.quant.groups import Aligned, align_groups, to_aligned
 
 
@@ -58,12 +66,24 @@ class MosaicKernels:
   # pass each (quantize_kernels.py), the wgrad operand written row-block-major by it.
   # wgrad: the weight-gradient kernel's own block_n / max_concurrent_steps / overlap_promotion (its
   # per-column scales need registers that a 256-wide tile does not leave: ptxas spills it, 1.8x slower).
-  def __init__(self, block_m: int = 64, block_n: int = 128, max_concurrent_steps: int = 4, grid_block_n: int = 4, interpret=False, warp_specialized=False, b_block_scales=False,
-               fused_quantize=False, wgrad=None):
+  def __init__(
+    self,
+    block_m: int = 64,
+    block_n: int = 128,
+    max_concurrent_steps: int = 4,
+    grid_block_n: int = 4,
+    interpret=False,
+    warp_specialized=False,
+    b_block_scales=False,
+    fused_quantize=False,
+    wgrad=None,
+  ):
     if b_block_scales and not (warp_specialized and block_n % FP8_BLOCK == 0):
       raise ValueError(f"b_block_scales needs the warp-specialized kernels and block_n a multiple of {FP8_BLOCK}")
     if fused_quantize and not warp_specialized:
-      raise ValueError("fused_quantize writes the warp-specialized wgrad kernel's operand layout: it needs warp_specialized")
+      raise ValueError(
+        "fused_quantize writes the warp-specialized wgrad kernel's operand layout: it needs warp_specialized"
+      )
     if wgrad and not warp_specialized:
       raise ValueError("wgrad tiles apart from the forward's are for the warp-specialized kernels")
     self.block_m, self.block_n, self.interpret = block_m, block_n, interpret
@@ -82,7 +102,9 @@ class MosaicKernels:
     """aq [M, K] (1x128 along K), wq_t [G, N, K], ws_t [G, K/128, N/128] -> [M, N]."""
     m, n = aq.q.shape[0], wq_t.shape[1]
     bm, bn = self.block_m, self.block_n
-    if n % bn and n % FP8_BLOCK == 0:  # whole weight blocks, not whole tiles (e.g. 1408): 128-wide tiles, no padded weight copy
+    if (
+      n % bn and n % FP8_BLOCK == 0
+    ):  # whole weight blocks, not whole tiles (e.g. 1408): 128-wide tiles, no padded weight copy
       bn = FP8_BLOCK
     a = _pad(aq.q, 1, FP8_BLOCK)
     if m < bm:  # the kernel reads whole row tiles: give tiny inputs one
@@ -94,8 +116,18 @@ class MosaicKernels:
     else:
       sb = _pad(jnp.repeat(ws_t, FP8_BLOCK, axis=2)[:, :, :n], 2, bn)  # each column's weight-block scale
     y = self._ragged(
-        a, sa, b, sb, group_sizes, block_m=bm, block_n=bn, grid_block_n=self.grid_block_n, out_dtype=out_dtype, interpret=self.interpret,
-        **self.pipeline, **self.row_kernel_options
+      a,
+      sa,
+      b,
+      sb,
+      group_sizes,
+      block_m=bm,
+      block_n=bn,
+      grid_block_n=self.grid_block_n,
+      out_dtype=out_dtype,
+      interpret=self.interpret,
+      **self.pipeline,
+      **self.row_kernel_options,
     )
     return y[:m, :n]
 
@@ -116,7 +148,9 @@ class MosaicKernels:
       # gate and up are the two halves of one GEMM's output: XLA folds the concatenation of adjacent
       # slices back into that output, so the kernel reads it where it is.
       gate_up = jnp.concatenate([gate, up], axis=1)
-      return quantize_kernels.quantize_rows_and_columns(gate_up, aligned, interpret=bool(self.interpret), swiglu_of=True)
+      return quantize_kernels.quantize_rows_and_columns(
+        gate_up, aligned, interpret=bool(self.interpret), swiglu_of=True
+      )
     return swiglu_quantize_both(gate, up, aligned)
 
   def columns_from_rows(self, xq: Quantized, aligned: Aligned, dtype) -> Quantized:
@@ -140,7 +174,7 @@ class MosaicKernels:
       a, b = _pad(xq.q.T, 0, bm), _pad(dyq.q.T, 0, bn)
     sa, sb = _pad(xq.scale, 1, bm), _pad(dyq.scale, 1, bn)
     dw = self._transposed(
-        a, sa, b, sb, aligned_sizes, block_m=bm, block_n=bn, out_dtype=out_dtype, interpret=self.interpret, **options
+      a, sa, b, sb, aligned_sizes, block_m=bm, block_n=bn, out_dtype=out_dtype, interpret=self.interpret, **options
     )
     return dw[:, :k, :n]
 
@@ -172,12 +206,19 @@ def columns_from_rows(xq: Quantized, aligned: Aligned, dtype) -> Quantized:
 
 # The Mosaic kernel variants, by name, as the GPU checks, the lowering test and the benchmarks compare them.
 MOSAIC_VARIANTS = {
-    "plain": {},
-    "ws": {"block_m": 128, "warp_specialized": True},
-    "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},
-    "ws_fused_quantize": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
-    "ws_wide": {"block_m": 128, "block_n": 256, "max_concurrent_steps": 3, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True,
-                "wgrad": {"block_n": 128, "max_concurrent_steps": 4, "overlap_promotion": True}},
+  "plain": {},
+  "ws": {"block_m": 128, "warp_specialized": True},
+  "ws_block_scales": {"block_m": 128, "warp_specialized": True, "b_block_scales": True},
+  "ws_fused_quantize": {"block_m": 128, "warp_specialized": True, "b_block_scales": True, "fused_quantize": True},
+  "ws_wide": {
+    "block_m": 128,
+    "block_n": 256,
+    "max_concurrent_steps": 3,
+    "warp_specialized": True,
+    "b_block_scales": True,
+    "fused_quantize": True,
+    "wgrad": {"block_n": 128, "max_concurrent_steps": 4, "overlap_promotion": True},
+  },
 }
 KERNELS = {"xla": fp8_reference, "mosaic": MosaicKernels(**MOSAIC_VARIANTS["plain"])}
 # Under a warp-specialized bf16 kernel set (moe_mosaic_kernels: ours_ws). On an H200 (gate_up, G=8) the

@@ -59,7 +59,20 @@ def _zeros(plgpu, m, n):
   return plgpu.layout_cast(jnp.full((m, n), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def scaled_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False):
+def scaled_ragged_dot(
+  a,
+  a_scale,
+  b,
+  b_scale,
+  group_sizes,
+  *,
+  block_m=64,
+  block_n=128,
+  max_concurrent_steps=4,
+  grid_block_n=4,
+  out_dtype=jnp.bfloat16,
+  interpret=False,
+):
   """a [M, K] e4m3, a_scale [K/128, M'] f32 (M' >= M rounded up to block_m), b [G, N, K] e4m3,
   b_scale [G, K/128, N] f32 -> [M, N] out_dtype. K a multiple of 128, N of block_n."""
   from jax.experimental import pallas as pl
@@ -69,7 +82,9 @@ def scaled_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m=64, block_
   m, k = a.shape
   g, n, k2 = b.shape
   if k != k2 or k % BLOCK_K or n % block_n:
-    raise ValueError(f"scaled_ragged_dot: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of {block_n}")
+    raise ValueError(
+      f"scaled_ragged_dot: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of {block_n}"
+    )
   if a_scale.shape[1] < pl.cdiv(m, block_m) * block_m:
     raise ValueError(f"a_scale {a_scale.shape} must cover {pl.cdiv(m, block_m) * block_m} rows")
 
@@ -82,26 +97,26 @@ def scaled_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m=64, block_
       mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, grid_block_n)
       group = GroupInfo.create(sizes_gmem, block_m, mi)
       acc = plgpu.emit_pipeline(
-          lambda _, a_s, sa_s, b_s, sb_s, acc: _scaled_step(plgpu, pl, a_s, sa_s, b_s, sb_s, acc),
-          grid=(k // BLOCK_K,),
-          in_specs=[
-              plgpu.BlockSpec((block_m, BLOCK_K), lambda kb: (group.block, kb)),
-              plgpu.BlockSpec((1, block_m), lambda kb: (kb, group.block)),
-              plgpu.BlockSpec((block_n, BLOCK_K), lambda kb: (ni, kb)),
-              plgpu.BlockSpec((1, block_n), lambda kb: (kb, ni)),
-          ],
-          max_concurrent_steps=max_concurrent_steps,
-          init_carry=_zeros(plgpu, block_m, block_n),
+        lambda _, a_s, sa_s, b_s, sb_s, acc: _scaled_step(plgpu, pl, a_s, sa_s, b_s, sb_s, acc),
+        grid=(k // BLOCK_K,),
+        in_specs=[
+          plgpu.BlockSpec((block_m, BLOCK_K), lambda kb: (group.block, kb)),
+          plgpu.BlockSpec((1, block_m), lambda kb: (kb, group.block)),
+          plgpu.BlockSpec((block_n, BLOCK_K), lambda kb: (ni, kb)),
+          plgpu.BlockSpec((1, block_n), lambda kb: (kb, ni)),
+        ],
+        max_concurrent_steps=max_concurrent_steps,
+        init_carry=_zeros(plgpu, block_m, block_n),
       )(a_gmem, sa_gmem, b_gmem.at[group.group_id], sb_gmem.at[group.group_id])
       _store_group_rows(plgpu, pl, acc, o_gmem, group, ni, block_m, block_n, m)
 
   kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(_num_sms(),),
-      grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret,
+    body,
+    out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+    grid=(_num_sms(),),
+    grid_names=("sm",),
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret,
   )
   return kernel(group_sizes.astype(jnp.int32), a, a_scale, b, b_scale)
 
@@ -117,16 +132,33 @@ def _store_group_rows(plgpu, pl, acc, o_gmem, group, ni, block_m, block_n, m):
     offset = group.start_within_block
     size = 1 << int(math.log2(min(block_m, m)))
     while size >= 1:
+
       @pl.when(group.actual_size & size != 0)
       def _():
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, size)], o_gmem.at[pl.ds(group.block_start + offset, size), pl.ds(ni * block_n, block_n)])
+        plgpu.copy_smem_to_gmem(
+          o_smem.at[pl.ds(offset, size)],
+          o_gmem.at[pl.ds(group.block_start + offset, size), pl.ds(ni * block_n, block_n)],
+        )
 
       offset = offset + (group.actual_size & size)
       size //= 2
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=1, out_dtype=jnp.bfloat16, interpret=False):
+def scaled_transposed_ragged_dot(
+  a,
+  a_scale,
+  b,
+  b_scale,
+  group_sizes,
+  *,
+  block_m=64,
+  block_n=128,
+  max_concurrent_steps=4,
+  grid_block_n=1,
+  out_dtype=jnp.bfloat16,
+  interpret=False,
+):
   """a [K, R] e4m3 (x^T), a_scale [R/128, K] f32, b [N, R] e4m3 (dy^T), b_scale [R/128, N] f32,
   group_sizes [G] all multiples of 128 -> [G, K, N] out_dtype. K a multiple of block_m, N of block_n."""
   from jax.experimental import pallas as pl
@@ -136,7 +168,9 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
   n, rows2 = b.shape
   g = group_sizes.shape[0]
   if rows != rows2 or rows % BLOCK_K or k % block_m or n % block_n:
-    raise ValueError(f"scaled_transposed_ragged_dot: a {a.shape}, b {b.shape}: rows must match and be a multiple of {BLOCK_K}; K of {block_m}, N of {block_n}")
+    raise ValueError(
+      f"scaled_transposed_ragged_dot: a {a.shape}, b {b.shape}: rows must match and be a multiple of {BLOCK_K}; K of {block_m}, N of {block_n}"
+    )
   sizes = group_sizes.astype(jnp.int32)
   starts = jnp.cumsum(sizes) - sizes
   row_blocks = rows // BLOCK_K
@@ -164,17 +198,22 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
       def _():
         # The slices run past the end for later groups; the pipeline only reads num_blocks blocks.
         acc = plgpu.emit_pipeline(
-            lambda _, a_s, sa_s, b_s, sb_s, acc: _scaled_step(plgpu, pl, a_s, sa_s, b_s, sb_s, acc),
-            grid=(num_blocks,),
-            in_specs=[
-                plgpu.BlockSpec((block_m, BLOCK_K), lambda j: (ki, j)),
-                plgpu.BlockSpec((1, block_m), lambda j: (j, ki)),
-                plgpu.BlockSpec((block_n, BLOCK_K), lambda j: (ni, j)),
-                plgpu.BlockSpec((1, block_n), lambda j: (j, ni)),
-            ],
-            max_concurrent_steps=max_concurrent_steps,
-            init_carry=_zeros(plgpu, block_m, block_n),
-        )(a_gmem.at[:, pl.ds(first, rows)], sa_gmem.at[pl.ds(first_block, row_blocks)], b_gmem.at[:, pl.ds(first, rows)], sb_gmem.at[pl.ds(first_block, row_blocks)])
+          lambda _, a_s, sa_s, b_s, sb_s, acc: _scaled_step(plgpu, pl, a_s, sa_s, b_s, sb_s, acc),
+          grid=(num_blocks,),
+          in_specs=[
+            plgpu.BlockSpec((block_m, BLOCK_K), lambda j: (ki, j)),
+            plgpu.BlockSpec((1, block_m), lambda j: (j, ki)),
+            plgpu.BlockSpec((block_n, BLOCK_K), lambda j: (ni, j)),
+            plgpu.BlockSpec((1, block_n), lambda j: (j, ni)),
+          ],
+          max_concurrent_steps=max_concurrent_steps,
+          init_carry=_zeros(plgpu, block_m, block_n),
+        )(
+          a_gmem.at[:, pl.ds(first, rows)],
+          sa_gmem.at[pl.ds(first_block, row_blocks)],
+          b_gmem.at[:, pl.ds(first, rows)],
+          sb_gmem.at[pl.ds(first_block, row_blocks)],
+        )
         store(acc)
 
       @pl.when(num_blocks == 0)
@@ -182,12 +221,12 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
         store(_zeros(plgpu, block_m, block_n))
 
   kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-      grid=(_num_sms(),),
-      grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret,
+    body,
+    out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+    grid=(_num_sms(),),
+    grid_names=("sm",),
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret,
   )
   return kernel(sizes, starts, a, a_scale, b, b_scale)
 
@@ -195,18 +234,20 @@ def scaled_transposed_ragged_dot(a, a_scale, b, b_scale, group_sizes, *, block_m
 SUB_N = 128  # columns per consumer wgmma in the warp-specialized kernels: see _ws_scaled_parts
 
 
-def _ws_scaled_scratch(plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m: int, block_n: int, column_scales: bool = True) -> dict:
+def _ws_scaled_scratch(
+  plgpu, a_dtype, b_dtype, out_dtype, stages: int, block_m: int, block_n: int, column_scales: bool = True
+) -> dict:
   """Shared memory of the warp-specialized fp8 kernels: a ring of operand and scale buffers, one output
   buffer per consumer (in SUB_N-wide column blocks), and the ring's barriers (a step's copies; both
   consumers' releases). Without `column_scales` (b scales per tile and step, read by the consumers from
   global memory) the ring holds no b scales."""
   scratch = dict(
-      a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a_dtype),
-      sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
-      b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b_dtype),
-      o_smem=plgpu.SMEM((2, block_n // SUB_N, block_m // 2, SUB_N), out_dtype),
-      loaded=plgpu.Barrier(num_arrivals=4 if column_scales else 3, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    a_smem=plgpu.SMEM((stages, block_m, BLOCK_K), a_dtype),
+    sa_smem=plgpu.SMEM((stages, 1, block_m), jnp.float32),
+    b_smem=plgpu.SMEM((stages, block_n, BLOCK_K), b_dtype),
+    o_smem=plgpu.SMEM((2, block_n // SUB_N, block_m // 2, SUB_N), out_dtype),
+    loaded=plgpu.Barrier(num_arrivals=4 if column_scales else 3, num_barriers=stages),
+    consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   )
   if column_scales:
     scratch["sb_smem"] = plgpu.SMEM((stages, 1, block_n), jnp.float32)
@@ -241,7 +282,9 @@ def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
     if sb_tiles is not None:  # a row scale times the block's b scale, then one multiply-add per element
       return carry + part * lax.broadcast_in_dim(sa * sb_tiles[j], (half_m, SUB_N), [0])
     sb = plgpu.load(sb_smem.at[0, columns(j)], layout=plgpu.Layout.WGMMA.reduce(0))
-    return carry + part * lax.broadcast_in_dim(sa, (half_m, SUB_N), [0]) * lax.broadcast_in_dim(sb, (half_m, SUB_N), [1])
+    return carry + part * lax.broadcast_in_dim(sa, (half_m, SUB_N), [0]) * lax.broadcast_in_dim(
+      sb, (half_m, SUB_N), [1]
+    )
 
   def row_scales(sa_smem, wg):
     return plgpu.load(sa_smem.at[0, rows(wg)], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -260,6 +303,7 @@ def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
     sa = row_scales(sa_smem, wg)
     out = []
     for j in range(subs):
+
       def product(part_ref, j=j):
         issue(a_smem, b_smem, part_ref, wg, j)
         return part_ref[...]
@@ -272,7 +316,21 @@ def _ws_scaled_parts(plgpu, pl, half_m: int, block_n: int):
   return mma, issue, promote, lambda: tuple(_zeros(plgpu, half_m, SUB_N) for _ in range(subs))
 
 
-def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=4, out_dtype=jnp.bfloat16, interpret=False, b_block_scales=False):
+def scaled_ragged_dot_ws(
+  a,
+  a_scale,
+  b,
+  b_scale,
+  group_sizes,
+  *,
+  block_m=128,
+  block_n=128,
+  max_concurrent_steps=4,
+  grid_block_n=4,
+  out_dtype=jnp.bfloat16,
+  interpret=False,
+  b_block_scales=False,
+):
   """scaled_ragged_dot, warp-specialized (mosaic_kernels.warp_specialized): a producer warpgroup keeps
   `max_concurrent_steps` K steps of operands and scales in flight across output tiles, and two consumer
   warpgroups each own block_m / 2 rows of a (block_m, block_n) tile. Each consumer waits for its own
@@ -291,18 +349,26 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
   m, k = a.shape
   g, n, k2 = b.shape
   if k != k2 or k % BLOCK_K or n % block_n or block_m % 128 or block_n % SUB_N:
-    raise ValueError(f"scaled_ragged_dot_ws: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of block_n={block_n}; block_m and block_n multiples of 128")
+    raise ValueError(
+      f"scaled_ragged_dot_ws: a {a.shape}, b {b.shape}: K must match and be a multiple of {BLOCK_K}, N of block_n={block_n}; block_m and block_n multiples of 128"
+    )
   if a_scale.shape[1] < pl.cdiv(m, block_m) * block_m:
     raise ValueError(f"a_scale {a_scale.shape} must cover {pl.cdiv(m, block_m) * block_m} rows")
   if b_block_scales and b_scale.shape != (g, k // BLOCK_K, n // BLOCK_K):
-    raise ValueError(f"b_block_scales: b_scale must be [G, K/128, N/128] = {(g, k // BLOCK_K, n // BLOCK_K)} (got {b_scale.shape})")
+    raise ValueError(
+      f"b_block_scales: b_scale must be [G, K/128, N/128] = {(g, k // BLOCK_K, n // BLOCK_K)} (got {b_scale.shape})"
+    )
   half_m, stages = block_m // 2, max_concurrent_steps
   group, block, first, owned = mosaic_kernels.tile_schedule(group_sizes, m, block_m)
   grid_m, grid_n = group.shape[0], n // block_n
   mma, _, _, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
 
   def body(group_gmem, block_gmem, first_gmem, owned_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
-    @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n, not b_block_scales), collective_axes="wg")
+    @functools.partial(
+      pl.run_scoped,
+      **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n, not b_block_scales),
+      collective_axes="wg",
+    )
     def _scope(a_smem, sa_smem, b_smem, o_smem, loaded, consumed, sb_smem=None):
       def tile_info(loop_info):
         mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, grid_block_n)
@@ -321,7 +387,9 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
       def step(info, kb, slot, carry, wg):
         if b_block_scales:
           mi, ni, _, _ = info
-          scales = {"sb_tiles": [sb_gmem[group_gmem[mi], kb, ni * (block_n // SUB_N) + j] for j in range(block_n // SUB_N)]}
+          scales = {
+            "sb_tiles": [sb_gmem[group_gmem[mi], kb, ni * (block_n // SUB_N) + j] for j in range(block_n // SUB_N)]
+          }
         else:
           scales = {"sb_smem": sb_smem.at[slot]}
         return mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, **scales)
@@ -337,18 +405,49 @@ def scaled_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, bl
           out.at[j][...] = part.astype(out.dtype)
         plgpu.commit_smem()
         for j in range(len(acc)):
-          mosaic_kernels.store_rows(out.at[j], o_gmem, row_block * block_m + wg * half_m, lo - wg * half_m, jnp.maximum(hi - lo, 0), ni * block_n + j * SUB_N, half_m, SUB_N)
+          mosaic_kernels.store_rows(
+            out.at[j],
+            o_gmem,
+            row_block * block_m + wg * half_m,
+            lo - wg * half_m,
+            jnp.maximum(hi - lo, 0),
+            ni * block_n + j * SUB_N,
+            half_m,
+            SUB_N,
+          )
 
       mosaic_kernels.warp_specialized(
-          tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=lambda info: jnp.where(info[2] > 0, k // BLOCK_K, 0),
-          load=load, mma=step, store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry)
+        tiles=(grid_m * grid_n,),
+        tile_info=tile_info,
+        num_steps=lambda info: jnp.where(info[2] > 0, k // BLOCK_K, 0),
+        load=load,
+        mma=step,
+        store=store,
+        stages=stages,
+        loaded=loaded,
+        consumed=consumed,
+        init_carry=init_carry,
+      )
 
   kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype), interpret)
   return kernel(group, block, first, owned, a, a_scale, b, b_scale)
 
 
-def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, block_m=128, block_n=128, max_concurrent_steps=4, grid_block_n=1, out_dtype=jnp.bfloat16, interpret=False,
-                                    overlap_promotion=False):
+def scaled_transposed_ragged_dot_ws(
+  a,
+  a_scale,
+  b,
+  b_scale,
+  group_sizes,
+  *,
+  block_m=128,
+  block_n=128,
+  max_concurrent_steps=4,
+  grid_block_n=1,
+  out_dtype=jnp.bfloat16,
+  interpret=False,
+  overlap_promotion=False,
+):
   """scaled_transposed_ragged_dot, warp-specialized like scaled_ragged_dot_ws: (block_m, block_n) tiles
   of each group's weight gradient, K steps over the group's 128-row blocks.
 
@@ -369,8 +468,18 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
   row_blocks, k, a_block = a.shape
   row_blocks2, n, b_block = b.shape
   g = group_sizes.shape[0]
-  if row_blocks != row_blocks2 or a_block != BLOCK_K or b_block != BLOCK_K or k % block_m or n % block_n or block_m % 128 or block_n % SUB_N:
-    raise ValueError(f"scaled_transposed_ragged_dot_ws: a {a.shape}, b {b.shape}: [row blocks, K or N, {BLOCK_K}] with the same row blocks; K a multiple of block_m={block_m}, N of block_n={block_n} (both multiples of 128)")
+  if (
+    row_blocks != row_blocks2
+    or a_block != BLOCK_K
+    or b_block != BLOCK_K
+    or k % block_m
+    or n % block_n
+    or block_m % 128
+    or block_n % SUB_N
+  ):
+    raise ValueError(
+      f"scaled_transposed_ragged_dot_ws: a {a.shape}, b {b.shape}: [row blocks, K or N, {BLOCK_K}] with the same row blocks; K a multiple of block_m={block_m}, N of block_n={block_n} (both multiples of 128)"
+    )
   if overlap_promotion and block_n != SUB_N:
     raise ValueError(f"overlap_promotion: block_n must be {SUB_N} (got {block_n})")
   half_m, stages = block_m // 2, max_concurrent_steps
@@ -380,7 +489,11 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
   mma, issue, promote, init_carry = _ws_scaled_parts(plgpu, pl, half_m, block_n)
 
   def body(sizes_gmem, first_blocks_gmem, a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem):
-    @functools.partial(pl.run_scoped, **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n), collective_axes="wg")
+    @functools.partial(
+      pl.run_scoped,
+      **_ws_scaled_scratch(plgpu, a.dtype, b.dtype, out_dtype, stages, block_m, block_n),
+      collective_axes="wg",
+    )
     def _scope(a_smem, sa_smem, b_smem, o_smem, loaded, consumed, sb_smem):
       def tile_info(loop_info):
         gi = loop_info.index[0]
@@ -404,18 +517,35 @@ def scaled_transposed_ragged_dot_ws(a, a_scale, b, b_scale, group_sizes, *, bloc
           out.at[j][...] = part.astype(out.dtype)
         plgpu.commit_smem()
         for j in range(len(acc)):
-          plgpu.copy_smem_to_gmem(out.at[j], o_gmem.at[gi, pl.ds(ki * block_m + wg * half_m, half_m), pl.ds(ni * block_n + j * SUB_N, SUB_N)])
+          plgpu.copy_smem_to_gmem(
+            out.at[j], o_gmem.at[gi, pl.ds(ki * block_m + wg * half_m, half_m), pl.ds(ni * block_n + j * SUB_N, SUB_N)]
+          )
 
       if overlap_promotion:
         steps = {
-            "mma": lambda info, j, slot, part_ref, wg: issue(a_smem.at[slot], b_smem.at[slot], part_ref, wg),
-            "promote": lambda info, j, slot, part, carry, wg: promote(sa_smem.at[slot], part, carry, wg, sb_smem=sb_smem.at[slot]),
+          "mma": lambda info, j, slot, part_ref, wg: issue(a_smem.at[slot], b_smem.at[slot], part_ref, wg),
+          "promote": lambda info, j, slot, part, carry, wg: promote(
+            sa_smem.at[slot], part, carry, wg, sb_smem=sb_smem.at[slot]
+          ),
         }
       else:
-        steps = {"mma": lambda info, j, slot, carry, wg: mma(a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_smem=sb_smem.at[slot])}
+        steps = {
+          "mma": lambda info, j, slot, carry, wg: mma(
+            a_smem.at[slot], sa_smem.at[slot], b_smem.at[slot], carry, wg, sb_smem=sb_smem.at[slot]
+          )
+        }
       mosaic_kernels.warp_specialized(
-          tiles=(g, grid_k * grid_n), tile_info=tile_info, num_steps=lambda info: sizes_gmem[info[0]] // BLOCK_K,
-          load=load, store=store, stages=stages, loaded=loaded, consumed=consumed, init_carry=init_carry, **steps)
+        tiles=(g, grid_k * grid_n),
+        tile_info=tile_info,
+        num_steps=lambda info: sizes_gmem[info[0]] // BLOCK_K,
+        load=load,
+        store=store,
+        stages=stages,
+        loaded=loaded,
+        consumed=consumed,
+        init_carry=init_carry,
+        **steps,
+      )
 
   kernel = mosaic_kernels.ws_kernel(body, jax.ShapeDtypeStruct((g, k, n), out_dtype), interpret)
   return kernel(sizes, first_blocks.astype(jnp.int32), a, a_scale, b, b_scale)

@@ -24,7 +24,9 @@ def _scaled_ragged(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, gro
   sb_rows = jnp.repeat(sb[row_groups(group_sizes, m)], FP8_BLOCK, axis=2)[:, :, :n]  # [M, K/128, N]
   acc = jnp.zeros((m, n), jnp.float32)
   for kb, cols in enumerate(_blocks(k)):
-    part = jax.lax.ragged_dot(a[:, cols].astype(jnp.float32), b[:, cols].astype(jnp.float32), group_sizes, preferred_element_type=jnp.float32)
+    part = jax.lax.ragged_dot(
+      a[:, cols].astype(jnp.float32), b[:, cols].astype(jnp.float32), group_sizes, preferred_element_type=jnp.float32
+    )
     acc = acc + part * sa[:, kb, None] * sb_rows[:, kb]
   return acc
 
@@ -36,7 +38,9 @@ def fwd(xq: Quantized, wq: Quantized, group_sizes: jax.Array, out_dtype) -> jax.
 
 def dgrad(dyq: Quantized, wq: Quantized, group_sizes: jax.Array, out_dtype) -> jax.Array:
   """dx = dy @ w[g]^T: dy in 1x128 tiles along N; the same 128x128 weight blocks, transposed."""
-  return _scaled_ragged(dyq.q, dyq.scale, jnp.swapaxes(wq.q, 1, 2), jnp.swapaxes(wq.scale, 1, 2), group_sizes).astype(out_dtype)
+  return _scaled_ragged(dyq.q, dyq.scale, jnp.swapaxes(wq.q, 1, 2), jnp.swapaxes(wq.scale, 1, 2), group_sizes).astype(
+    out_dtype
+  )
 
 
 def wgrad(xq: Quantized, dyq: Quantized, aligned_sizes: jax.Array, out_dtype) -> jax.Array:

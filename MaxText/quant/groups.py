@@ -31,14 +31,18 @@ def align_groups(group_sizes: jax.Array, rows: int, align: int) -> Aligned:
   aligned_sizes = -(-sizes // align) * align
   aligned_starts = jnp.cumsum(aligned_sizes) - aligned_sizes
   r = jnp.arange(rows, dtype=jnp.int32)
-  gid = jnp.searchsorted(ends, r, side="right", method="scan_unrolled").astype(jnp.int32)  # == groups for rows past the total
+  gid = jnp.searchsorted(ends, r, side="right", method="scan_unrolled").astype(
+    jnp.int32
+  )  # == groups for rows past the total
   safe = jnp.minimum(gid, g - 1)
   dest = jnp.where(gid < g, aligned_starts[safe] + r - (ends[safe] - sizes[safe]), padded_rows)
   # The inverse map: aligned row ra of group ga holds row starts[ga] + (ra - aligned_starts[ga]) if that
   # is inside the group, else nothing.
   # (Aligned rows past the last group fall in it, clamped, beyond its size.)
   ra = jnp.arange(padded_rows, dtype=jnp.int32)
-  ga = jnp.minimum(jnp.searchsorted(aligned_starts + aligned_sizes, ra, side="right", method="scan_unrolled"), g - 1).astype(jnp.int32)
+  ga = jnp.minimum(
+    jnp.searchsorted(aligned_starts + aligned_sizes, ra, side="right", method="scan_unrolled"), g - 1
+  ).astype(jnp.int32)
   within = ra - aligned_starts[ga]
   source = jnp.where(within < sizes[ga], ends[ga] - sizes[ga] + within, rows)
   return Aligned(dest, source, aligned_sizes, padded_rows)

@@ -65,7 +65,14 @@ def _product(a, b, a_scale, b_scale, like, out_dtype):
   """a [M, K] @ b [N, K]^T with blocks of 32 along K, the scales as their e8m0 bytes: one block-scaled
   product. Typed like `like` inside shard_map (the primitive's result carries no varying axes of its own)."""
   a_scale, b_scale = (jax.lax.bitcast_convert_type(s, E8M0) for s in (a_scale, b_scale))
-  out = jax.lax.scaled_dot(a, b, lhs_scale=a_scale, rhs_scale=b_scale, dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+  out = jax.lax.scaled_dot(
+    a,
+    b,
+    lhs_scale=a_scale,
+    rhs_scale=b_scale,
+    dimension_numbers=(((1,), (1,)), ((), ())),
+    preferred_element_type=out_dtype,
+  )
   return vjp.typed(out, like)
 
 
@@ -111,7 +118,9 @@ def _rows_times_groups(a, b, group_sizes: jax.Array, out_dtype) -> jax.Array:
     x = jax.lax.dynamic_slice_in_dim(aq, first, window)
     xs = jax.lax.dynamic_slice_in_dim(ascale, first, window)
     y = _product(x, bq[g], xs, bscale[g], out, out_dtype)
-    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, jax.lax.dynamic_slice_in_dim(out, first, window)), first, 0)
+    return jax.lax.dynamic_update_slice_in_dim(
+      out, jnp.where(keep[:, None], y, jax.lax.dynamic_slice_in_dim(out, first, window)), first, 0
+    )
 
   return jax.lax.fori_loop(0, w.count, body, out)[:rows]
 

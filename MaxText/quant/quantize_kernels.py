@@ -37,7 +37,9 @@ COLUMNS_BLOCKS = ((0, B),)  # 128x1 tiles along rows
 # values transposed; an activation tile twice, from its bf16 values and their transpose.
 WEIGHT_WARPS = 8
 ACTIVATION_WARPS = 4
-SWIGLU_WARPS = 8  # the activation made in the kernel adds an exp and a division per element: 0.26 ms where 4 warps take 0.33
+SWIGLU_WARPS = (
+  8  # the activation made in the kernel adds an exp and a division per element: 0.26 ms where 4 warps take 0.33
+)
 
 
 def _out(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
@@ -55,8 +57,13 @@ def _reciprocal(scale: jax.Array, interpret: bool) -> jax.Array:
   if interpret:
     return 1.0 / scale
   # Triton's f32 division is approximate (div.full.f32); the format's reciprocal is correctly rounded.
-  return plt.elementwise_inline_asm("rcp.rn.f32 $0, $1;", args=[scale], constraints="=f,f", pack=1,
-                                    result_shape_dtypes=[jax.ShapeDtypeStruct(scale.shape, jnp.float32)])[0]
+  return plt.elementwise_inline_asm(
+    "rcp.rn.f32 $0, $1;",
+    args=[scale],
+    constraints="=f,f",
+    pack=1,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(scale.shape, jnp.float32)],
+  )[0]
 
 
 def _quantize(x: jax.Array, axis, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -83,19 +90,25 @@ def _weight_kernel(w_ref, q_ref, qt_ref, s_ref, *, interpret: bool):
   s_ref[...] = scale
 
 
-def weight_quantize_both(w: jax.Array, interpret: bool = False, num_warps: int = WEIGHT_WARPS) -> tuple[Quantized, jax.Array]:
+def weight_quantize_both(
+  w: jax.Array, interpret: bool = False, num_warps: int = WEIGHT_WARPS
+) -> tuple[Quantized, jax.Array]:
   """w [G, K, N] (K, N multiples of 128) -> (formats.weight_quantize(w), its values transposed [G, N, K])."""
   g, k, n = w.shape
   block = pl.BlockSpec((None, B, B), lambda e, i, j: (e, i, j))
   q, qt, scale = pl.pallas_call(
-      lambda *refs: _weight_kernel(*refs, interpret=interpret),
-      out_shape=(_out((g, k, n), E4M3, w), _out((g, n, k), E4M3, w), _out((g, k // B, n // B), jnp.float32, w)),
-      grid=(g, k // B, n // B),
-      in_specs=[block],
-      out_specs=(block, pl.BlockSpec((None, B, B), lambda e, i, j: (e, j, i)), pl.BlockSpec((None, 1, 1), lambda e, i, j: (e, i, j))),
-      interpret=interpret,
-      name="fp8_weight_quantize_both",
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+    lambda *refs: _weight_kernel(*refs, interpret=interpret),
+    out_shape=(_out((g, k, n), E4M3, w), _out((g, n, k), E4M3, w), _out((g, k // B, n // B), jnp.float32, w)),
+    grid=(g, k // B, n // B),
+    in_specs=[block],
+    out_specs=(
+      block,
+      pl.BlockSpec((None, B, B), lambda e, i, j: (e, j, i)),
+      pl.BlockSpec((None, 1, 1), lambda e, i, j: (e, i, j)),
+    ),
+    interpret=interpret,
+    name="fp8_weight_quantize_both",
+    compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
   )(w)
   return Quantized(q, scale, WEIGHT_BLOCKS), qt
 
@@ -107,7 +120,18 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   return (jax.nn.silu(g) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
-def _rows_and_columns_kernel(source_ref, x_ref, rows_q_ref, rows_s_ref, cols_q_ref, cols_s_ref, *, rows: int, swiglu_width: int | None, interpret: bool):
+def _rows_and_columns_kernel(
+  source_ref,
+  x_ref,
+  rows_q_ref,
+  rows_s_ref,
+  cols_q_ref,
+  cols_s_ref,
+  *,
+  rows: int,
+  swiglu_width: int | None,
+  interpret: bool,
+):
   block, j = pl.program_id(0), pl.program_id(1)
   source = source_ref[pl.ds(block * B, B)]  # the rows of x this aligned row block holds
   valid = source < rows  # the others (index `rows`) are the alignment's zero rows: masked, never touched
@@ -142,7 +166,9 @@ def _columns_from_rows_kernel(source_ref, q_ref, s_ref, cols_q_ref, cols_s_ref, 
   cols_s_ref[block, pl.ds(j * B, B)] = scale
 
 
-def columns_from_rows(rows_q: Quantized, aligned: Aligned, dtype, interpret: bool = False, num_warps: int = ACTIVATION_WARPS) -> Quantized:
+def columns_from_rows(
+  rows_q: Quantized, aligned: Aligned, dtype, interpret: bool = False, num_warps: int = ACTIVATION_WARPS
+) -> Quantized:
   """x's rows quantised in 1x128 tiles along K (q [rows, K], scale [rows, K/128]), dequantised to `dtype` and
   requantised as the aligned rows in 128x1 tiles, row-block-major (as quantize_rows_and_columns' second
   output): what DeepSeek-V3 does with its cached fp8 activations, reading the fp8 rows instead of x."""
@@ -150,19 +176,20 @@ def columns_from_rows(rows_q: Quantized, aligned: Aligned, dtype, interpret: boo
   blocks = aligned.padded_rows // B
   out_shape = (_out((blocks, k, B), E4M3, rows_q.q), _out((blocks, k), jnp.float32, rows_q.q))
   outputs = pl.pallas_call(
-      lambda *refs: _columns_from_rows_kernel(*refs, rows=rows, dtype=dtype, interpret=interpret),
-      out_shape=out_shape,
-      grid=(blocks, k // B),
-      interpret=interpret,
-      name="fp8_requantize_columns",
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+    lambda *refs: _columns_from_rows_kernel(*refs, rows=rows, dtype=dtype, interpret=interpret),
+    out_shape=out_shape,
+    grid=(blocks, k // B),
+    interpret=interpret,
+    name="fp8_requantize_columns",
+    compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
   )(aligned.source, rows_q.q, rows_q.scale)
   cols_q, cols_s = (vjp.typed(a, aligned.source) for a in outputs)  # and as the alignment
   return Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
 
 
-def quantize_rows_and_columns(x: jax.Array, aligned: Aligned, interpret: bool = False, num_warps: int | None = None,
-                              swiglu_of: bool = False) -> tuple[Quantized, Quantized]:
+def quantize_rows_and_columns(
+  x: jax.Array, aligned: Aligned, interpret: bool = False, num_warps: int | None = None, swiglu_of: bool = False
+) -> tuple[Quantized, Quantized]:
   """x [rows, K] (K a multiple of 128) and its alignment, every row placed (fp8_blockwise.align_all_rows) ->
 
     (x in 1x128 tiles along K: q [rows, K], scale [rows, K/128]   as formats.activation_quantize(x, 1),
@@ -176,14 +203,19 @@ def quantize_rows_and_columns(x: jax.Array, aligned: Aligned, interpret: bool = 
   k, swiglu_width = (k // 2, k // 2) if swiglu_of else (k, None)
   num_warps = num_warps or (SWIGLU_WARPS if swiglu_of else ACTIVATION_WARPS)
   blocks = aligned.padded_rows // B
-  out_shape = (_out((rows, k), E4M3, x), _out((rows, k // B), jnp.float32, x), _out((blocks, k, B), E4M3, x), _out((blocks, k), jnp.float32, x))
+  out_shape = (
+    _out((rows, k), E4M3, x),
+    _out((rows, k // B), jnp.float32, x),
+    _out((blocks, k, B), E4M3, x),
+    _out((blocks, k), jnp.float32, x),
+  )
   outputs = pl.pallas_call(
-      lambda *refs: _rows_and_columns_kernel(*refs, rows=rows, swiglu_width=swiglu_width, interpret=interpret),
-      out_shape=out_shape,
-      grid=(blocks, k // B),
-      interpret=interpret,
-      name="fp8_swiglu_quantize_rows_and_columns" if swiglu_of else "fp8_quantize_rows_and_columns",
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),  # one 128x128 tile, no loop to pipeline
+    lambda *refs: _rows_and_columns_kernel(*refs, rows=rows, swiglu_width=swiglu_width, interpret=interpret),
+    out_shape=out_shape,
+    grid=(blocks, k // B),
+    interpret=interpret,
+    name="fp8_swiglu_quantize_rows_and_columns" if swiglu_of else "fp8_quantize_rows_and_columns",
+    compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),  # one 128x128 tile, no loop to pipeline
   )(aligned.source, x)
   rows_q, rows_s, cols_q, cols_s = (vjp.typed(a, aligned.source) for a in outputs)  # and as the alignment
   return Quantized(rows_q, rows_s, ROWS_BLOCKS), Quantized(cols_q, cols_s, COLUMNS_BLOCKS)

@@ -27,7 +27,11 @@ def compile_train_step(cfg, mesh) -> tuple:
   """The train step at the recipe's global batch, compiled for `mesh`: (HLO text, memory analysis)."""
   trainer = Trainer(cfg, mesh)
   b, s = trainer.global_batch, cfg.train.max_target_length
-  batch = Batch(jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.float32))
+  batch = Batch(
+    jax.ShapeDtypeStruct((b, s), jnp.int32),
+    jax.ShapeDtypeStruct((b, s), jnp.int32),
+    jax.ShapeDtypeStruct((b, s), jnp.float32),
+  )
   with compile_only.lowering_for(mesh.devices.flat):
     compiled = trainer.jit_step().lower(trainer.abstract_state(), batch).compile()
   return compiled.as_text(), compiled.memory_analysis()
@@ -42,11 +46,11 @@ def train_step(recipe: str, overrides: list[str]) -> dict:
   mesh = Mesh(np.asarray(devices).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
   text, mem = compile_train_step(cfg, mesh)
   return {
-      "device_kind": devices[0].device_kind,
-      "mesh": shape,
-      "temp_bytes": mem.temp_size_in_bytes,
-      "argument_bytes": mem.argument_size_in_bytes,
-      "collectives": sorted({op for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all") if op in text}),
+    "device_kind": devices[0].device_kind,
+    "mesh": shape,
+    "temp_bytes": mem.temp_size_in_bytes,
+    "argument_bytes": mem.argument_size_in_bytes,
+    "collectives": sorted({op for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all") if op in text}),
   }
 
 
@@ -65,14 +69,14 @@ def memory(recipe: str, overrides: list[str]) -> dict:
   mesh = Mesh(np.asarray(devices).reshape([1] * len(MESH_AXES)), MESH_AXES)
   text, mem = compile_train_step(cfg, mesh)
   return {
-      "device_kind": devices[0].device_kind,
-      "argument_bytes": mem.argument_size_in_bytes,
-      "temp_bytes": mem.temp_size_in_bytes,
-      "host_argument_bytes": mem.host_argument_size_in_bytes,
-      "host_output_bytes": mem.host_output_size_in_bytes,
-      "host_temp_bytes": mem.host_temp_size_in_bytes,
-      # Shapes placed in host memory space S(5) and the async copies that move them.
-      "host_shapes": len(re.findall(r"\{[^{}]*S\(5\)[^{}]*\}", text)),
+    "device_kind": devices[0].device_kind,
+    "argument_bytes": mem.argument_size_in_bytes,
+    "temp_bytes": mem.temp_size_in_bytes,
+    "host_argument_bytes": mem.host_argument_size_in_bytes,
+    "host_output_bytes": mem.host_output_size_in_bytes,
+    "host_temp_bytes": mem.host_temp_size_in_bytes,
+    # Shapes placed in host memory space S(5) and the async copies that move them.
+    "host_shapes": len(re.findall(r"\{[^{}]*S\(5\)[^{}]*\}", text)),
   }
 
 
@@ -81,7 +85,11 @@ def mosaic_gmm() -> dict:
 
   devices = compile_only.devices("h200", 1)
   s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
-  args = (jax.ShapeDtypeStruct((4096, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((8, 7168, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
+  args = (
+    jax.ShapeDtypeStruct((4096, 7168), jnp.bfloat16),
+    jax.ShapeDtypeStruct((8, 7168, 4096), jnp.bfloat16),
+    jax.ShapeDtypeStruct((8,), jnp.int32),
+  )
   compiled = jax.jit(mosaic.make_gmm("jax"), in_shardings=(s, s, s)).lower(*args).compile()
   result = {"device_kind": devices[0].device_kind, "mosaic_custom_call": "mosaic_gpu" in compiled.as_text()}
 
@@ -94,7 +102,9 @@ def mosaic_gmm() -> dict:
       return jax.grad(lambda x, w: jnp.sum(jnp.square(gmm(x, w, sizes).astype(jnp.float32))), argnums=(0, 1))(x, w)
 
     text = jax.jit(loss_grads, in_shardings=(s, s, s)).lower(*args).compile().as_text()
-    result[f"{kernels}_fwd_bwd_mosaic_kernels"] = sum(1 for line in text.splitlines() if "custom_call_target=\"mosaic_gpu" in line)
+    result[f"{kernels}_fwd_bwd_mosaic_kernels"] = sum(
+      1 for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line
+    )
   return result
 
 
@@ -109,7 +119,9 @@ def permute_gather() -> dict:
   args = (jax.ShapeDtypeStruct((8192, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((8192, 8), jnp.int32))
 
   def gathers_in_row_fusion(f) -> int:
-    text = jax.jit(lambda x, ids: f(x, permute.plan(ids, 32, 128)), in_shardings=(s, s)).lower(*args).compile().as_text()
+    text = (
+      jax.jit(lambda x, ids: f(x, permute.plan(ids, 32, 128)), in_shardings=(s, s)).lower(*args).compile().as_text()
+    )
     computations = re.split(r"\n(?=%\S+ \()", text)
     rows = [c for c in computations if re.match(r"%\S+ \(.*\) -> bf16\[\d+,(1,)?7168\]", c) and " gather(" in c]
     assert len(rows) == 1, [c.split("\n", 1)[0] for c in rows]
@@ -136,14 +148,20 @@ def ep_layer(recipe: str, overrides: list[str]) -> dict:
   shard = Sharder(mesh)
   specs = moe_specs(cfg.model.emb_dim, cfg.moe)
   dtype = jnp.dtype(cfg.model.dtype)
-  x = jax.ShapeDtypeStruct((cfg.train.per_device_batch_size * len(devices), cfg.train.max_target_length, cfg.model.emb_dim), dtype)
+  x = jax.ShapeDtypeStruct(
+    (cfg.train.per_device_batch_size * len(devices), cfg.train.max_target_length, cfg.model.emb_dim), dtype
+  )
   bias = jax.ShapeDtypeStruct((cfg.moe.num_experts,), jnp.float32)
 
   def loss(p, x, bias):
     out, stats = moe(p, x, bias, cfg.moe, shard)
     return jnp.sum(out.astype(jnp.float32) ** 2), stats.ep_overflow
 
-  in_shardings = (param_shardings(specs, mesh), shard.named(("batch", "seq", "act_embed")), NamedSharding(mesh, PartitionSpec()))
+  in_shardings = (
+    param_shardings(specs, mesh),
+    shard.named(("batch", "seq", "act_embed")),
+    NamedSharding(mesh, PartitionSpec()),
+  )
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), in_shardings=in_shardings)
   text = grad.lower(params.abstract(specs, dtype), x, bias).compile().as_text()
   ops = ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce")

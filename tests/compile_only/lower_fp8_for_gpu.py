@@ -44,11 +44,16 @@ def compile_one(gpu: str, fmt: str, m: int, k: int, n: int, g: int) -> dict:
   with compile_only.lowering_for(devices):
     compiled = jax.jit(fwd_bwd, in_shardings=(s,) * 4).lower(*args).compile()
   text = compiled.as_text()
-  return {"device_kind": devices[0].device_kind, "mosaic_kernels": text.count('custom_call_target="mosaic_gpu'),
-          "triton_kernels": text.count('custom_call_target="__gpu$xla.gpu.triton'), "fp8_operands": "f8e4m3fn" in text,
-          "scaled_dots": len(re.findall(r"= \S+ scaled-dot\(", text)), "triton_gemm_fusions": text.count('"kind":"__triton_nested_gemm_fusion"'),
-          # [gate | up] split and concatenated again for the swiglu quantisation: XLA should fold it away
-          "bf16_concatenates": len(re.findall(r"= bf16\[\d+,\d+\]\S* concatenate\(", text))}
+  return {
+    "device_kind": devices[0].device_kind,
+    "mosaic_kernels": text.count('custom_call_target="mosaic_gpu'),
+    "triton_kernels": text.count('custom_call_target="__gpu$xla.gpu.triton'),
+    "fp8_operands": "f8e4m3fn" in text,
+    "scaled_dots": len(re.findall(r"= \S+ scaled-dot\(", text)),
+    "triton_gemm_fusions": text.count('"kind":"__triton_nested_gemm_fusion"'),
+    # [gate | up] split and concatenated again for the swiglu quantisation: XLA should fold it away
+    "bf16_concatenates": len(re.findall(r"= bf16\[\d+,\d+\]\S* concatenate\(", text)),
+  }
 
 
 if __name__ == "__main__":

@@ -39,10 +39,18 @@ def timing(h: int, dqk: int, dv: int, scale: float, b: int = 2, s: int = 4096) -
   out = {"shape": {"batch": b, "seq": s}}
   for name, fn in FLASH.items():
     fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, scale))
-    fwd_bwd = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v, scale).astype(jnp.float32)), argnums=(0, 1, 2)))
+    fwd_bwd = jax.jit(
+      jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v, scale).astype(jnp.float32)), argnums=(0, 1, 2))
+    )
     ms_f, timer = jax_time_ms(fwd, (q, k, v), 10)
     ms_fb, _ = jax_time_ms(fwd_bwd, (q, k, v), 10)
-    out[name] = {"fwd_ms": ms_f, "fwd_bwd_ms": ms_fb, "fwd_tflops": flops / ms_f / 1e9, "fwd_bwd_tflops": 3.5 * flops / ms_fb / 1e9, "timer": timer}
+    out[name] = {
+      "fwd_ms": ms_f,
+      "fwd_bwd_ms": ms_fb,
+      "fwd_tflops": flops / ms_f / 1e9,
+      "fwd_bwd_tflops": 3.5 * flops / ms_fb / 1e9,
+      "timer": timer,
+    }
     print(name, out[name], flush=True)
   return out
 
@@ -61,8 +69,15 @@ def main(out: str) -> int:
     return jnp.sum(fn(q, k, v, scale).astype(jnp.float32) * g)
 
   results = {}
-  ref = jax.jit(lambda q, k, v: dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), scale))(q, k, v)
-  ref_grads = jax.jit(jax.grad(lambda q, k, v: loss(dot_product_attention, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)), argnums=(0, 1, 2)))(q, k, v)
+  ref = jax.jit(
+    lambda q, k, v: dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), scale)
+  )(q, k, v)
+  ref_grads = jax.jit(
+    jax.grad(
+      lambda q, k, v: loss(dot_product_attention, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)),
+      argnums=(0, 1, 2),
+    )
+  )(q, k, v)
   ok = True
   for name, fn in (("dot_product", dot_product_attention), *FLASH.items()):
     out_arr = jax.jit(lambda q, k, v: fn(q, k, v, scale))(q, k, v)

@@ -67,7 +67,10 @@ def host_products(a_fwd, w_fwd, a_bwd, w_bwd, x_rows, dy_rows, sizes):
 
 def compare(outs, refs, valid, bound) -> dict:
   names = ("y", "dx", "dw")
-  errs = {k: rel(np.asarray(o.astype(jnp.float32))[: valid if k != "dw" else None], r[: valid if k != "dw" else None]) for k, o, r in zip(names, outs, refs)}
+  errs = {
+    k: rel(np.asarray(o.astype(jnp.float32))[: valid if k != "dw" else None], r[: valid if k != "dw" else None])
+    for k, o, r in zip(names, outs, refs)
+  }
   return {"rel_err": errs, "pass": max(errs.values()) < bound}
 
 
@@ -84,9 +87,19 @@ def check(fmt, fn, x, w, dy, sizes_np, sizes, unquantised) -> dict:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True, help="JSON results path (a .md table is written beside it)")
-  ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes; fp8 kernels in the Mosaic GPU interpreter, mxfp8 on xla")
-  ap.add_argument("--variants", default="", help="comma-separated fp8_blockwise kernel variants to check (default: all of fp8_blockwise.MOSAIC_VARIANTS)")
-  ap.add_argument("--quick", action="store_true", help="three cases (DeepSeek-V3 widths balanced and skewed, odd sizes and widths) instead of all")
+  ap.add_argument(
+    "--cpu-dry-run", action="store_true", help="tiny shapes; fp8 kernels in the Mosaic GPU interpreter, mxfp8 on xla"
+  )
+  ap.add_argument(
+    "--variants",
+    default="",
+    help="comma-separated fp8_blockwise kernel variants to check (default: all of fp8_blockwise.MOSAIC_VARIANTS)",
+  )
+  ap.add_argument(
+    "--quick",
+    action="store_true",
+    help="three cases (DeepSeek-V3 widths balanced and skewed, odd sizes and widths) instead of all",
+  )
   ap.add_argument("--no-mxfp8", action="store_true", help="check only the fp8_blockwise variants")
   args = ap.parse_args()
   variants = [v for v in args.variants.split(",") if v] or list(fp8_blockwise.MOSAIC_VARIANTS)
@@ -104,12 +117,23 @@ def main() -> int:
     interpret, mxfp8 = False, quantized_gmm("mxfp8", "mosaic")
     cases = [CASES[0], CASES[2], CASES[-1]] if args.quick else CASES
   # The Mosaic kernel variants of fp8_blockwise (fp8_blockwise.WS_KERNELS is the default under moe_mosaic_kernels=ours_ws).
-  impls = {f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[name], interpret=interpret)) for name in variants}
+  impls = {
+    f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(
+      fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[name], interpret=interpret)
+    )
+    for name in variants
+  }
   if not args.no_mxfp8:
     impls["mxfp8"] = mxfp8
     impls["mxfp8:block_scaled"] = quantized_gmm("mxfp8", "xla", None, "block_scaled")
   dtype = jnp.float32 if args.cpu_dry_run else jnp.bfloat16
-  results = {"seed": seed, "device": jax.devices()[0].device_kind, "exact_bound": EXACT_BOUND, "format_bound": FORMAT_BOUND, "cases": []}
+  results = {
+    "seed": seed,
+    "device": jax.devices()[0].device_kind,
+    "exact_bound": EXACT_BOUND,
+    "format_bound": FORMAT_BOUND,
+    "cases": [],
+  }
   ok = True
   for label, m, k, n, g, kind in cases:
     sizes_np, x, w, dy, sizes = inputs(m, k, n, g, kind, rng, dtype)
@@ -129,14 +153,25 @@ def main() -> int:
 
 
 def markdown(results: dict) -> str:
-  lines = [f"# Quantised grouped GEMM check ({results['device']}, seed {results['seed']})", "",
-           f"Relative Frobenius errors: exact = vs the product of the dequantised operands (bound {results['exact_bound']}); "
-           f"format = vs the unquantised product (bound {results['format_bound']}).", "",
-           "| case | M | K | N | G | sizes | quant | y exact | dx exact | dw exact | y format | dx format | dw format | pass |", "|---" * 14 + "|"]
+  lines = [
+    f"# Quantised grouped GEMM check ({results['device']}, seed {results['seed']})",
+    "",
+    f"Relative Frobenius errors: exact = vs the product of the dequantised operands (bound {results['exact_bound']}); "
+    f"format = vs the unquantised product (bound {results['format_bound']}).",
+    "",
+    "| case | M | K | N | G | sizes | quant | y exact | dx exact | dw exact | y format | dx format | dw format | pass |",
+    "|---" * 14 + "|",
+  ]
   for c in results["cases"]:
     for fmt, r in c["quant"].items():
-      cells = [f"{r[kind]['rel_err'][o]:.2e}" if kind in r else "-" for kind in ("exact", "format") for o in ("y", "dx", "dw")]
-      lines.append(f"| {c['case']} | {c['m']} | {c['k']} | {c['n']} | {c['groups']} | {c['sizes']} | {fmt} | " + " | ".join(cells) + f" | {r['pass']} |")
+      cells = [
+        f"{r[kind]['rel_err'][o]:.2e}" if kind in r else "-" for kind in ("exact", "format") for o in ("y", "dx", "dw")
+      ]
+      lines.append(
+        f"| {c['case']} | {c['m']} | {c['k']} | {c['n']} | {c['groups']} | {c['sizes']} | {fmt} | "
+        + " | ".join(cells)
+        + f" | {r['pass']} |"
+      )
   return "\n".join(lines) + "\n"
 
 

@@ -23,14 +23,14 @@ from MaxText.moe import gmm as registry
 BOUND = 1e-2
 # (label, M, K, N, G, group sizes): DeepSeek-V3 widths, then the edge cases (check_fp8_gmm.py's too).
 CASES = [
-    ("gate_up", 8192, 7168, 4096, 8, "balanced"),
-    ("gate_up", 8192, 7168, 4096, 32, "skewed"),
-    ("down", 8192, 2048, 7168, 8, "skewed"),
-    ("gate_up", 4096, 7168, 4096, 16, "empty_groups"),
-    ("gate_up", 4096, 7168, 4096, 8, "one_group"),
-    ("down", 3000, 2048, 7168, 8, "odd_sizes"),
-    ("narrow", 4096, 2048, 1408, 8, "skewed"),  # DeepSeek-V2-Lite's expert width: whole 128-blocks, not 256-tiles
-    ("unaligned", 2000, 1000, 600, 4, "odd_sizes"),
+  ("gate_up", 8192, 7168, 4096, 8, "balanced"),
+  ("gate_up", 8192, 7168, 4096, 32, "skewed"),
+  ("down", 8192, 2048, 7168, 8, "skewed"),
+  ("gate_up", 4096, 7168, 4096, 16, "empty_groups"),
+  ("gate_up", 4096, 7168, 4096, 8, "one_group"),
+  ("down", 3000, 2048, 7168, 8, "odd_sizes"),
+  ("narrow", 4096, 2048, 1408, 8, "skewed"),  # DeepSeek-V2-Lite's expert width: whole 128-blocks, not 256-tiles
+  ("unaligned", 2000, 1000, 600, 4, "odd_sizes"),
 ]
 
 
@@ -99,6 +99,7 @@ def gmm_for(backend: str):
 
 def run(fn, x, w, sizes, dy):
   """fn's y, dx, dw (jitted) on device memory filled with NaN first (check_fp8_gmm.py's too)."""
+
   @jax.jit
   def go(x, w, sizes, dy):
     y, vjp = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)

@@ -37,13 +37,17 @@ ROWS = 32768
 
 
 def fused_rows(a, sizes, num_warps=None):
-  return quantize_kernels.quantize_rows_and_columns(a, fp8_blockwise.align_all_rows(sizes, a.shape[0]), num_warps=num_warps)
+  return quantize_kernels.quantize_rows_and_columns(
+    a, fp8_blockwise.align_all_rows(sizes, a.shape[0]), num_warps=num_warps
+  )
 
 
 def xla_rows(a, sizes):
   aligned = fp8_blockwise.align_all_rows(sizes, a.shape[0])
   cols = formats.blockwise_quantize(to_aligned(a, aligned), {0: formats.FP8_BLOCK})
-  return formats.activation_quantize(a, 1), formats.Quantized(fp8_blockwise.rows_block_major(cols.q), cols.scale, cols.blocks)
+  return formats.activation_quantize(a, 1), formats.Quantized(
+    fp8_blockwise.rows_block_major(cols.q), cols.scale, cols.blocks
+  )
 
 
 def fused_weight(w, num_warps=quantize_kernels.WEIGHT_WARPS):
@@ -75,7 +79,9 @@ def differing(a, b) -> int:
 
 def fused_columns(q, scale, sizes, num_warps=quantize_kernels.ACTIVATION_WARPS):
   rows = formats.Quantized(q, scale, ((1, formats.FP8_BLOCK),))
-  return quantize_kernels.columns_from_rows(rows, fp8_blockwise.align_all_rows(sizes, q.shape[0]), jnp.bfloat16, num_warps=num_warps)
+  return quantize_kernels.columns_from_rows(
+    rows, fp8_blockwise.align_all_rows(sizes, q.shape[0]), jnp.bfloat16, num_warps=num_warps
+  )
 
 
 def xla_columns(q, scale, sizes):
@@ -92,7 +98,11 @@ def on_cpu(fn, *args):
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True)
-  ap.add_argument("--num-warps", default="", help="comma-separated warp counts to time the kernels at too (defaults: quantize_kernels.*_WARPS)")
+  ap.add_argument(
+    "--num-warps",
+    default="",
+    help="comma-separated warp counts to time the kernels at too (defaults: quantize_kernels.*_WARPS)",
+  )
   args = ap.parse_args()
   try:
     sweep = [int(v) for v in args.num_warps.split(",") if v]
@@ -112,7 +122,9 @@ def main() -> int:
     row["speedup"] = row["xla_ms"] / row["fused_ms"]
     fused, fused_args = row.pop("_fused"), row.pop("_args")
     if sweep:
-      row["fused_ms_by_num_warps"] = {nw: device_ms(jax.jit(functools.partial(fused, num_warps=nw)), fused_args) for nw in sweep}
+      row["fused_ms_by_num_warps"] = {
+        nw: device_ms(jax.jit(functools.partial(fused, num_warps=nw)), fused_args) for nw in sweep
+      }
     ok &= all(v == 0 for v in row["differ_from_format"].values())
     ok &= all(v == 0 for n, v in row["differ_from_xla_gpu"].items() if "scale" in n)
     results["cases"].append(row)
@@ -122,9 +134,23 @@ def main() -> int:
     w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) * 0.02, jnp.bfloat16)
     w = w.at[1, 256:384, 128:256].set(0).at[0, 5, 4000].set(jnp.inf).at[g - 1, 1000, 77].set(jnp.nan)
     w1 = w[:1] if g == 8 else w[g - 1 :]  # the expert holding the Inf, or the NaN
-    row = {"tensor": "weight", "shape": [g, k, n], "fused_ms": device_ms(jax.jit(fused_weight), (w,)), "xla_ms": device_ms(jax.jit(xla_weight), (w,)),
-           "_fused": fused_weight, "_args": (w,)}
-    record(row, ("q", "q_t", "scale"), jax.jit(fused_weight)(w), jax.jit(xla_weight)(w), jax.jit(fused_weight)(w1), on_cpu(xla_weight, w1), jax.jit(xla_weight)(w1))
+    row = {
+      "tensor": "weight",
+      "shape": [g, k, n],
+      "fused_ms": device_ms(jax.jit(fused_weight), (w,)),
+      "xla_ms": device_ms(jax.jit(xla_weight), (w,)),
+      "_fused": fused_weight,
+      "_args": (w,),
+    }
+    record(
+      row,
+      ("q", "q_t", "scale"),
+      jax.jit(fused_weight)(w),
+      jax.jit(xla_weight)(w),
+      jax.jit(fused_weight)(w1),
+      on_cpu(xla_weight, w1),
+      jax.jit(xla_weight)(w1),
+    )
 
   skewed = np.floor(rng.dirichlet(np.full(32, 0.5)) * (ROWS - 1000) / 16).astype(np.int32) * 16
   cases = {"balanced_g8": np.full(8, ROWS // 8, np.int32), "skewed_g32_tail": skewed}
@@ -137,19 +163,48 @@ def main() -> int:
       names = ("rows_q", "rows_scale", "cols_q", "cols_scale")
       # The slice: 4,096 rows (the zero tile, the Inf) in two groups, the last 96 outside both.
       xs, ss = x[:4096], jnp.asarray([2000, 2000], jnp.int32)
-      row = {"tensor": "activation", "shape": [ROWS, width], "groups": name, "rows_in_groups": int(sizes_np.sum()),
-             "fused_ms": device_ms(jax.jit(fused_rows), (x, sizes)), "xla_ms": device_ms(jax.jit(xla_rows), (x, sizes)), "_fused": fused_rows, "_args": (x, sizes)}
-      record(row, names, flat(jax.jit(fused_rows)(x, sizes)), flat(jax.jit(xla_rows)(x, sizes)), flat(jax.jit(fused_rows)(xs, ss)),
-             flat(on_cpu(xla_rows, xs, ss)), flat(jax.jit(xla_rows)(xs, ss)))
+      row = {
+        "tensor": "activation",
+        "shape": [ROWS, width],
+        "groups": name,
+        "rows_in_groups": int(sizes_np.sum()),
+        "fused_ms": device_ms(jax.jit(fused_rows), (x, sizes)),
+        "xla_ms": device_ms(jax.jit(xla_rows), (x, sizes)),
+        "_fused": fused_rows,
+        "_args": (x, sizes),
+      }
+      record(
+        row,
+        names,
+        flat(jax.jit(fused_rows)(x, sizes)),
+        flat(jax.jit(xla_rows)(x, sizes)),
+        flat(jax.jit(fused_rows)(xs, ss)),
+        flat(on_cpu(xla_rows, xs, ss)),
+        flat(jax.jit(xla_rows)(xs, ss)),
+      )
       # The wgrad operand from the fp8 rows, as the layer's backward makes it under quantize_before_permute.
       rq = jax.jit(lambda a: formats.activation_quantize(a, 1))(x)
       rqs = (rq.q[:4096], rq.scale[:4096])
-      row = {"tensor": "columns_from_fp8_rows", "shape": [ROWS, width], "groups": name, "rows_in_groups": int(sizes_np.sum()),
-             "fused_ms": device_ms(jax.jit(fused_columns), (rq.q, rq.scale, sizes)), "xla_ms": device_ms(jax.jit(xla_columns), (rq.q, rq.scale, sizes)),
-             "_fused": fused_columns, "_args": (rq.q, rq.scale, sizes)}
+      row = {
+        "tensor": "columns_from_fp8_rows",
+        "shape": [ROWS, width],
+        "groups": name,
+        "rows_in_groups": int(sizes_np.sum()),
+        "fused_ms": device_ms(jax.jit(fused_columns), (rq.q, rq.scale, sizes)),
+        "xla_ms": device_ms(jax.jit(xla_columns), (rq.q, rq.scale, sizes)),
+        "_fused": fused_columns,
+        "_args": (rq.q, rq.scale, sizes),
+      }
       cols = lambda out: (out.q, out.scale)  # noqa: E731
-      record(row, ("cols_q", "cols_scale"), cols(jax.jit(fused_columns)(rq.q, rq.scale, sizes)), jax.jit(xla_columns)(rq.q, rq.scale, sizes),
-             cols(jax.jit(fused_columns)(*rqs, ss)), on_cpu(xla_columns, *rqs, ss), jax.jit(xla_columns)(*rqs, ss))
+      record(
+        row,
+        ("cols_q", "cols_scale"),
+        cols(jax.jit(fused_columns)(rq.q, rq.scale, sizes)),
+        jax.jit(xla_columns)(rq.q, rq.scale, sizes),
+        cols(jax.jit(fused_columns)(*rqs, ss)),
+        on_cpu(xla_columns, *rqs, ss),
+        jax.jit(xla_columns)(*rqs, ss),
+      )
   results["passed"] = ok
   args.out.write_text(json.dumps(results, indent=1))
   print("PASS" if ok else "FAIL")

@@ -137,7 +137,9 @@ def quantize_fp8(tensors: dict, block) -> tuple[dict, dict]:
   b0, b1 = block
   stored, dequantised = dict(tensors), {}
   for name, w in tensors.items():
-    kept = name.endswith("mlp.gate.weight") or "embed_tokens" in name or "shared_head.head" in name  # bf16 in the release too
+    kept = (
+      name.endswith("mlp.gate.weight") or "embed_tokens" in name or "shared_head.head" in name
+    )  # bf16 in the release too
     if not name.startswith("model.layers.") or w.ndim != 2 or kept:
       continue
     rows, cols = w.shape
@@ -173,7 +175,12 @@ def build(case: dict) -> dict:
     mtp = mtp_module(config, config.num_hidden_layers, gen).to(dtype)
     prefix = f"model.layers.{config.num_hidden_layers}."
     tensors.update(layer_tensors(mtp.layer, prefix))
-    for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("final_norm", "shared_head.norm")):
+    for ours, theirs in (
+      ("enorm", "enorm"),
+      ("hnorm", "hnorm"),
+      ("eh_proj", "eh_proj"),
+      ("final_norm", "shared_head.norm"),
+    ):
       tensors[f"{prefix}{theirs}.weight"] = getattr(mtp, ours).weight.detach().clone()
     tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
@@ -184,12 +191,21 @@ def build(case: dict) -> dict:
     tensors, dequantised = quantize_fp8(tensors, case["fp8_block"])
     plain.update(dequantised)
     write_dir(Path(str(out) + "-dequantised"), plain, hf_config)
-    hf_config = {**hf_config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                                      "weight_block_size": case["fp8_block"]}}
+    hf_config = {
+      **hf_config,
+      "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": case["fp8_block"],
+      },
+    }
   write_dir(out, tensors, hf_config)
   # The reference is what transformers computes from the files (float32), not the model in memory: .to(bfloat16)
   # also rounded its rotary inv_freq buffer. FP8: from the dequantised weights, as transformers would load them.
-  model = DeepseekV3ForCausalLM.from_pretrained(str(out) + ("-dequantised" if case.get("fp8_block") else ""), dtype=torch.float32).eval()
+  model = DeepseekV3ForCausalLM.from_pretrained(
+    str(out) + ("-dequantised" if case.get("fp8_block") else ""), dtype=torch.float32
+  ).eval()
   ids = torch.from_numpy(np.load(case["ids"]).astype(np.int64))
   with torch.no_grad():
     np.save(case["logits"], model(ids).logits.float().numpy())
@@ -201,7 +217,11 @@ def build(case: dict) -> dict:
 
 def check(case: dict) -> dict:
   original, exported = read_dir(Path(case["original"])), read_dir(Path(case["exported"]))
-  findings = {"missing": sorted(set(original) - set(exported))[:5], "extra": sorted(set(exported) - set(original))[:5], "differ": []}
+  findings = {
+    "missing": sorted(set(original) - set(exported))[:5],
+    "extra": sorted(set(exported) - set(original))[:5],
+    "differ": [],
+  }
   for name in sorted(set(original) & set(exported)):
     a, b = original[name], exported[name]
     if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):

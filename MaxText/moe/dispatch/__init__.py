@@ -30,7 +30,10 @@ class Dispatcher(Protocol):
 def get_dispatcher(name: str, capacity_factor: float, group_pad_multiple: int = 0) -> Dispatcher:
   from MaxText.moe.dispatch import capacity, sort
 
-  backends = {"sort": lambda: sort.SortDispatcher(group_pad_multiple), "capacity": lambda: capacity.CapacityDispatcher(capacity_factor)}
+  backends = {
+    "sort": lambda: sort.SortDispatcher(group_pad_multiple),
+    "capacity": lambda: capacity.CapacityDispatcher(capacity_factor),
+  }
   if name not in backends:
     raise ValueError(f"unknown moe_dispatch '{name}'; choose one of: {', '.join(backends)}")
   return backends[name]()

@@ -28,10 +28,10 @@ from typing import Any, NamedTuple, Protocol
 import jax
 
 BACKENDS = {
-    "ragged_a2a": "MaxText.moe.ep.ragged_a2a",
-    "dense_a2a": "MaxText.moe.ep.dense_a2a",
-    "allgather": "MaxText.moe.ep.allgather",
-    "te": "MaxText.moe.ep.te",
+  "ragged_a2a": "MaxText.moe.ep.ragged_a2a",
+  "dense_a2a": "MaxText.moe.ep.dense_a2a",
+  "allgather": "MaxText.moe.ep.allgather",
+  "te": "MaxText.moe.ep.te",
 }
 
 

@@ -18,7 +18,9 @@ from MaxText.moe.ep.units import expert_rows, unit_outputs
 def dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, plan: EpPlan) -> Received:
   me, local = jax.lax.axis_index(plan.axis), plan.local_experts
   with jax.named_scope("allgather_dispatch"):
-    all_x, all_ids, all_w = (jax.lax.all_gather(a, plan.axis, tiled=True) for a in (x, expert_ids, weights.astype(jnp.float32)))
+    all_x, all_ids, all_w = (
+      jax.lax.all_gather(a, plan.axis, tiled=True) for a in (x, expert_ids, weights.astype(jnp.float32))
+    )
   with jax.named_scope("local_permute"):
     slot_ids = jnp.where(all_ids // local == me, all_ids % local, -1)
     rows, pplan = expert_rows(all_x, slot_ids, local)

@@ -26,7 +26,9 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, plan: EpPl
     u = make_units(expert_ids, weights, ranks, plan.local_experts, plan.dedup)
     cap, slots = capacity(plan), plan.slots
     c = jnp.arange(cap, dtype=jnp.int32)
-    unit = jnp.where(c[None, :] < u.counts[:, None], u.starts[:, None] + c[None, :], u.token.shape[0]).reshape(-1)  # [R*cap]
+    unit = jnp.where(c[None, :] < u.counts[:, None], u.starts[:, None] + c[None, :], u.token.shape[0]).reshape(
+      -1
+    )  # [R*cap]
     token = jnp.take(u.token, unit, mode="fill", fill_value=tokens)
     send_x = gather_rows(x, token).reshape(ranks, cap, d)
     send_ids = jnp.take(u.slot_ids, unit, axis=0, mode="fill", fill_value=-1).reshape(ranks, cap, slots)
@@ -47,5 +49,9 @@ def combine(y: jax.Array, received: Received, plan: EpPlan) -> jax.Array:
   with jax.named_scope("a2a_combine"):
     back = jax.lax.all_to_all(out_units.reshape(plan.ranks, -1, y.shape[1]), plan.axis, 0, 0, tiled=True)
   with jax.named_scope("ep_combine"):
-    out = jnp.zeros((plan.tokens, y.shape[1]), jnp.float32).at[token].add(back.reshape(-1, y.shape[1]).astype(jnp.float32), mode="drop")
+    out = (
+      jnp.zeros((plan.tokens, y.shape[1]), jnp.float32)
+      .at[token]
+      .add(back.reshape(-1, y.shape[1]).astype(jnp.float32), mode="drop")
+    )
   return out.astype(y.dtype)

@@ -36,7 +36,9 @@ def single_device_mesh() -> Mesh:
   return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
 
 
-def routed_ep(experts, weights: dict, x: jax.Array, expert_ids: jax.Array, combine_w: jax.Array, cfg: MoEConfig, mesh: Mesh | None):
+def routed_ep(
+  experts, weights: dict, x: jax.Array, expert_ids: jax.Array, combine_w: jax.Array, cfg: MoEConfig, mesh: Mesh | None
+):
   """x [batch, seq, embed], expert_ids/combine_w [batch*seq, k] -> ([batch, seq, embed], overflow, sent, sent_nodedup).
 
   `experts(w_local, rows, group_sizes)` runs the local experts' GEMMs; `weights` holds wi_0/wi_1/wo.
@@ -68,10 +70,10 @@ def routed_ep(experts, weights: dict, x: jax.Array, expert_ids: jax.Array, combi
     return (out, *counters)
 
   run = jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(x_spec, route_spec, route_spec, w_spec, w_spec, w_spec),
-      out_specs=(x_spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+    body,
+    mesh=mesh,
+    in_specs=(x_spec, route_spec, route_spec, w_spec, w_spec, w_spec),
+    out_specs=(x_spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
   )
   ids = expert_ids.reshape(batch, seq, k)
   cw = combine_w.reshape(batch, seq, k)

@@ -63,7 +63,15 @@ def combine(y: jax.Array, received: Received, plan: EpPlan) -> jax.Array:
   with jax.named_scope("local_unpermute"):
     out_units = unit_outputs(y, recv_w, pplan).astype(y.dtype)
   with jax.named_scope("a2a_combine"):
-    back = _exchange(out_units, _buffer(out_units, token.shape[0], 0), offsets[:, me], sizes[:, me], starts[:, me], sizes[me], plan.axis)
+    back = _exchange(
+      out_units,
+      _buffer(out_units, token.shape[0], 0),
+      offsets[:, me],
+      sizes[:, me],
+      starts[:, me],
+      sizes[me],
+      plan.axis,
+    )
   with jax.named_scope("ep_combine"):
     out = jnp.zeros((plan.tokens, y.shape[1]), jnp.float32).at[token].add(back.astype(jnp.float32), mode="drop")
   return out.astype(y.dtype)

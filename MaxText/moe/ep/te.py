@@ -27,5 +27,7 @@ def unavailable() -> str:
     return f"transformer_engine is installed without its JAX extension; {INSTALL}"
   if not _find("transformer_engine.jax.ep"):
     return "this transformer_engine has no JAX expert-parallel API (transformer_engine.jax.ep); upgrade it, or choose ragged_a2a | dense_a2a | allgather"
-  return ("transformer_engine.jax.ep is installed but not integrated: it needs one GPU per process, a per-layer "
-          "EpHandle (no scan over MoE layers) and ep_bootstrap before tracing; choose ragged_a2a | dense_a2a | allgather")
+  return (
+    "transformer_engine.jax.ep is installed but not integrated: it needs one GPU per process, a per-layer "
+    "EpHandle (no scan over MoE layers) and ep_bootstrap before tracing; choose ragged_a2a | dense_a2a | allgather"
+  )

@@ -63,7 +63,9 @@ def slots_used(u: Units) -> jax.Array:
   return jnp.sum(u.slot_ids >= 0, axis=-1, dtype=jnp.int32)
 
 
-def payload_bytes(u: Units, me: jax.Array, expert_ids: jax.Array, local_experts: int, row_bytes: int) -> tuple[jax.Array, jax.Array]:
+def payload_bytes(
+  u: Units, me: jax.Array, expert_ids: jax.Array, local_experts: int, row_bytes: int
+) -> tuple[jax.Array, jax.Array]:
   """Bytes this rank sends to other ranks for its units, dispatch (row + S ids + S weights) plus the
   returned row; and the same for one unit per copy (no dedup), from the routing itself."""
   remote_units = jnp.sum((u.rank != me) & (u.rank < u.counts.shape[0])).astype(jnp.float32)

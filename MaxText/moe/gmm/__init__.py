@@ -24,11 +24,11 @@ Gmm = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 # backend -> (module, package that must be importable for it, or None)
 BACKENDS = {
-    "xla": ("MaxText.moe.gmm.xla", None),
-    "padded": ("MaxText.moe.gmm.padded", None),
-    "mosaic": ("MaxText.moe.gmm.mosaic", "jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"),
-    "tokamax": ("MaxText.moe.gmm.tokamax", "tokamax"),
-    "te": ("MaxText.moe.gmm.te", "transformer_engine"),
+  "xla": ("MaxText.moe.gmm.xla", None),
+  "padded": ("MaxText.moe.gmm.padded", None),
+  "mosaic": ("MaxText.moe.gmm.mosaic", "jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"),
+  "tokamax": ("MaxText.moe.gmm.tokamax", "tokamax"),
+  "te": ("MaxText.moe.gmm.te", "transformer_engine"),
 }
 CHOICES = (*BACKENDS, "auto")
 INSTALL_HINT = {"tokamax": "pip install tokamax", "te": "pip install 'transformer_engine[jax]'"}
@@ -51,7 +51,9 @@ def get_gmm(name: str, mosaic_kernels: str | None = None) -> Gmm:
   if name not in BACKENDS:
     raise ValueError(f"unknown moe_gmm_backend '{name}'; choose one of: {', '.join(CHOICES)} (resolve 'auto' first)")
   if not available(name):
-    raise RuntimeError(f"moe_gmm_backend={name} needs {BACKENDS[name][1]}, which is not installed; {INSTALL_HINT.get(name, 'upgrade jax')}")
+    raise RuntimeError(
+      f"moe_gmm_backend={name} needs {BACKENDS[name][1]}, which is not installed; {INSTALL_HINT.get(name, 'upgrade jax')}"
+    )
   module = importlib.import_module(BACKENDS[name][0])
   return module.make_gmm(mosaic_kernels) if name == "mosaic" and mosaic_kernels else module.gmm
 
@@ -61,11 +63,22 @@ def resolve(name: str, device: jax.Device, dtype: str) -> tuple[str, str]:
   (mosaic's wgmma needs sm_90 exactly) is a ValueError with what to choose instead."""
   capability = getattr(device, "compute_capability", None)
   if name == "mosaic" and device.platform == "gpu" and capability not in (None, "9.0"):
-    raise ValueError(f"moe_gmm_backend=mosaic runs Hopper (sm_90) wgmma kernels; {device.device_kind} is sm_{str(capability).replace('.', '')}: "
-                     "choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)")
+    raise ValueError(
+      f"moe_gmm_backend=mosaic runs Hopper (sm_90) wgmma kernels; {device.device_kind} is sm_{str(capability).replace('.', '')}: "
+      "choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)"
+    )
   if name != "auto":
     return name, "chosen in the config"
   if device.platform == "gpu" and capability == "9.0" and available("mosaic") and dtype in ("bfloat16", "float16"):
-    return "mosaic", f"{device.device_kind} is sm_90 and dtype={dtype}: Mosaic GPU kernels measured fastest ({AUTO_EVIDENCE})"
-  why = "not an sm_90 GPU" if capability != "9.0" else f"dtype={dtype} is not bf16/fp16" if available("mosaic") else "Mosaic GPU kernels not in this jax"
+    return (
+      "mosaic",
+      f"{device.device_kind} is sm_90 and dtype={dtype}: Mosaic GPU kernels measured fastest ({AUTO_EVIDENCE})",
+    )
+  why = (
+    "not an sm_90 GPU"
+    if capability != "9.0"
+    else f"dtype={dtype} is not bf16/fp16"
+    if available("mosaic")
+    else "Mosaic GPU kernels not in this jax"
+  )
   return "xla", f"{device.device_kind}: {why}; jax.lax.ragged_dot runs everywhere"

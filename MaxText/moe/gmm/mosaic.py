@@ -33,8 +33,12 @@ TILES_FILE = Path(__file__).with_name("mosaic_tiles.json")
 # block_m (wgrad) is each one's half. 3 stages of 48 KiB and two 32 KiB output buffers fill the 227 KiB of
 # shared memory. Untuned on hardware.
 DEFAULT_TILES = {
-    "fwd": (128, 128, 64, 5, 4), "dgrad": (128, 128, 64, 5, 4), "wgrad": (128, 128, 64, 4, 1),
-    "fwd_ws": (128, 128, 64, 3, 4), "dgrad_ws": (128, 128, 64, 3, 4), "wgrad_ws": (128, 128, 64, 3, 1),
+  "fwd": (128, 128, 64, 5, 4),
+  "dgrad": (128, 128, 64, 5, 4),
+  "wgrad": (128, 128, 64, 4, 1),
+  "fwd_ws": (128, 128, 64, 3, 4),
+  "dgrad_ws": (128, 128, 64, 3, 4),
+  "wgrad_ws": (128, 128, 64, 3, 1),
 }
 TILE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
 PAD = 128  # widths are padded to this multiple (a multiple of every block size used)
@@ -137,7 +141,9 @@ def kernel_functions(kernels: str):
     m, k = dy.shape[0], w.shape[1]
     dyp, wp = _pad(dy, 1), _pad(_pad(w, 1), 2)
     tiles = _tiles(kernels, "dgrad", wp.shape[2], wp.shape[1], w.shape[0])
-    dx = ragged(_pad_rows(dyp, tiles["block_m"]), wp, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=True, **tiles)
+    dx = ragged(
+      _pad_rows(dyp, tiles["block_m"]), wp, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=True, **tiles
+    )
     return dx[:m, :k]
 
   def wgrad(x, dy, group_sizes):

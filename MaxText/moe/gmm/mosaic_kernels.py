@@ -88,13 +88,27 @@ def store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: i
 
       @pl.when(count & step != 0)
       def _():
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, step)], o_gmem.at[pl.ds(row0 + offset, step), pl.ds(col, block_n)])
+        plgpu.copy_smem_to_gmem(
+          o_smem.at[pl.ds(offset, step)], o_gmem.at[pl.ds(row0 + offset, step), pl.ds(col, block_n)]
+        )
 
       offset = offset + (count & step)
       size //= 2
 
 
-def ragged_dot(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, transpose_rhs: bool = False, interpret=False):
+def ragged_dot(
+  lhs,
+  rhs,
+  group_sizes,
+  *,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  max_concurrent_steps: int,
+  grid_block_n: int,
+  transpose_rhs: bool = False,
+  interpret=False,
+):
   """lhs [M, K] grouped by rows, rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N].
 
   `interpret`: False, or plgpu.InterpretGPUParams to run in Pallas' GPU interpreter (on CPU, with a few
@@ -124,13 +138,19 @@ def ragged_dot(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: in
           @pl.when(count > 0)
           def _():
             plgpu.emit_pipeline(
-                lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem),
-                grid=(k // block_k,),
-                in_specs=[
-                    plgpu.BlockSpec((block_m, block_k), lambda kk: (row_block, kk), delay_release=1),
-                    plgpu.BlockSpec((block_n, block_k) if transpose_rhs else (block_k, block_n), (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)), delay_release=1),
-                ],
-                max_concurrent_steps=max_concurrent_steps,
+              lambda _, a_smem, b_smem: plgpu.wgmma(
+                acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem
+              ),
+              grid=(k // block_k,),
+              in_specs=[
+                plgpu.BlockSpec((block_m, block_k), lambda kk: (row_block, kk), delay_release=1),
+                plgpu.BlockSpec(
+                  (block_n, block_k) if transpose_rhs else (block_k, block_n),
+                  (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
+                  delay_release=1,
+                ),
+              ],
+              max_concurrent_steps=max_concurrent_steps,
             )(lhs_gmem, rhs_gmem.at[group_gmem[mi]])
 
           return acc_ref[...]
@@ -147,17 +167,28 @@ def ragged_dot(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: in
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-      grid=(INTERPRET_SMS if interpret else num_sms(),),
-      grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret,
+    body,
+    out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+    grid=(INTERPRET_SMS if interpret else num_sms(),),
+    grid_names=("sm",),
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret,
   )
   return kernel(group, block, first, owned, lhs, rhs)
 
 
-def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, interpret=False):
+def ragged_wgrad(
+  x,
+  dy,
+  group_sizes,
+  *,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  max_concurrent_steps: int,
+  grid_block_n: int,
+  interpret=False,
+):
   """x [M, K], dy [M, N], rows grouped -> dw [G, K, N] with dw[g] = x_g^T dy_g (contracting rows)."""
   rows, kdim = x.shape
   n = dy.shape[1]
@@ -208,13 +239,13 @@ def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int
           def _():
             release = 1 if max_concurrent_steps > 1 else 0
             plgpu.emit_pipeline(
-                step,
-                grid=(num_blocks_gmem[gi],),
-                in_specs=[
-                    plgpu.BlockSpec((block_k, block_m), lambda kk: (kk, mi), delay_release=release, transforms=transforms),
-                    plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, ni), delay_release=release, transforms=transforms),
-                ],
-                max_concurrent_steps=max_concurrent_steps,
+              step,
+              grid=(num_blocks_gmem[gi],),
+              in_specs=[
+                plgpu.BlockSpec((block_k, block_m), lambda kk: (kk, mi), delay_release=release, transforms=transforms),
+                plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, ni), delay_release=release, transforms=transforms),
+              ],
+              max_concurrent_steps=max_concurrent_steps,
             )(x_gmem.at[rows_slice, :], dy_gmem.at[rows_slice, :])
 
           return acc_ref[...]
@@ -228,12 +259,12 @@ def ragged_wgrad(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((g, kdim, n), x.dtype),
-      grid=(INTERPRET_SMS if interpret else num_sms(),),
-      grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret,
+    body,
+    out_type=jax.ShapeDtypeStruct((g, kdim, n), x.dtype),
+    grid=(INTERPRET_SMS if interpret else num_sms(),),
+    grid_names=("sm",),
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret,
   )
   # A group's row slice is `rows` long from its first block and may run past the end of x; the
   # pipeline only reads the group's own blocks, so the overhang is never touched.
@@ -256,7 +287,21 @@ def _row_bookkeeping(group_sizes, block_k: int):
 MEMORY_REGISTERS, COMPUTE_REGISTERS = 40, 232  # per thread: 2 x 232 + 40 warpgroups' worth fit the 64K register file
 
 
-def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: int, loaded, consumed, acc_shape=None, init_carry=None, promote=None):
+def warp_specialized(
+  *,
+  tiles,
+  tile_info,
+  num_steps,
+  load,
+  mma,
+  store,
+  stages: int,
+  loaded,
+  consumed,
+  acc_shape=None,
+  init_carry=None,
+  promote=None,
+):
   """The loop nest of a warp-specialized persistent kernel, run by warpgroups 0 and 1 (consumers) and 2
   (producer) of a program.
 
@@ -329,6 +374,7 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
           state = mma_step(kk, lax.rem(step, stages), state)
           plgpu.wgmma_wait(in_flight)
           if in_flight:
+
             @pl.when(kk > 0)  # the previous step's wgmma is done: release its slot
             def _():
               plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
@@ -349,6 +395,7 @@ def warp_specialized(*, tiles, tile_info, num_steps, load, mma, store, stages: i
       if promote is not None:
         acc = _overlapped_steps(nb, init_carry(), issue=issue_step, finish=finish_step)
       elif acc_shape is not None:
+
         def acc_scope(acc_ref):
           def mma_step(kk, slot, state):
             mma(info, kk, slot, acc_ref, wg)  # accumulates in acc_ref: the loop carries nothing
@@ -401,14 +448,14 @@ def _overlapped_steps(nb, init, *, issue, finish):
 
 def ws_kernel(body, out_type, interpret):
   return plgpu.kernel(
-      body,
-      out_type=out_type,
-      grid=(INTERPRET_SMS if interpret else num_sms(),),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret,
+    body,
+    out_type=out_type,
+    grid=(INTERPRET_SMS if interpret else num_sms(),),
+    grid_names=("sm",),
+    num_threads=3,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret,
   )
 
 
@@ -418,7 +465,19 @@ def _swizzled(block_k: int, dtype):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def ragged_dot_ws(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, transpose_rhs: bool = False, interpret=False):
+def ragged_dot_ws(
+  lhs,
+  rhs,
+  group_sizes,
+  *,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  max_concurrent_steps: int,
+  grid_block_n: int,
+  transpose_rhs: bool = False,
+  interpret=False,
+):
   """ragged_dot, warp-specialized (see warp_specialized): (block_m, 2 * block_n) output tiles, each
   consumer warpgroup computing and storing one (block_m, block_n) half; rows as in ragged_dot's tile
   schedule (dead slots take no steps)."""
@@ -438,13 +497,13 @@ def ragged_dot_ws(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k:
 
   def body(group_gmem, block_gmem, first_gmem, owned_gmem, lhs_gmem, rhs_gmem, o_gmem):
     @functools.partial(
-        pl.run_scoped,
-        a_smem=plgpu.SMEM((stages, block_m, block_k), lhs.dtype, transforms=transforms),
-        b_smem=plgpu.SMEM((stages, *b_block), rhs.dtype, transforms=transforms),
-        o_smem=plgpu.SMEM((2, block_m, block_n), lhs.dtype),  # untiled: partial tiles are stored row ranges
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        collective_axes="wg",
+      pl.run_scoped,
+      a_smem=plgpu.SMEM((stages, block_m, block_k), lhs.dtype, transforms=transforms),
+      b_smem=plgpu.SMEM((stages, *b_block), rhs.dtype, transforms=transforms),
+      o_smem=plgpu.SMEM((2, block_m, block_n), lhs.dtype),  # untiled: partial tiles are stored row ranges
+      loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      collective_axes="wg",
     )
     def _scope(a_smem, b_smem, o_smem, loaded, consumed):
       def tile_info(loop_info):
@@ -475,15 +534,38 @@ def ragged_dot_ws(lhs, rhs, group_sizes, *, block_m: int, block_n: int, block_k:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
           out[...] = acc.astype(out.dtype)
           plgpu.commit_smem()
-          store_rows(out, o_gmem, row_block * block_m, first_gmem[mi], count, ni * cta_n + wg * block_n, block_m, block_n)
+          store_rows(
+            out, o_gmem, row_block * block_m, first_gmem[mi], count, ni * cta_n + wg * block_n, block_m, block_n
+          )
 
-      warp_specialized(tiles=(grid_m * grid_n,), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
-                        acc_shape=(block_m, block_n), stages=stages, loaded=loaded, consumed=consumed)
+      warp_specialized(
+        tiles=(grid_m * grid_n,),
+        tile_info=tile_info,
+        num_steps=num_steps,
+        load=load,
+        mma=mma,
+        store=store,
+        acc_shape=(block_m, block_n),
+        stages=stages,
+        loaded=loaded,
+        consumed=consumed,
+      )
 
   return ws_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), interpret)(group, block, first, owned, lhs, rhs)
 
 
-def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: int, max_concurrent_steps: int, grid_block_n: int, interpret=False):
+def ragged_wgrad_ws(
+  x,
+  dy,
+  group_sizes,
+  *,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  max_concurrent_steps: int,
+  grid_block_n: int,
+  interpret=False,
+):
   """ragged_wgrad, warp-specialized (see warp_specialized): (2 * block_m, block_n) output tiles, each
   consumer warpgroup owning one (block_m, block_n) half.
 
@@ -504,13 +586,13 @@ def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: 
 
   def body(sizes_gmem, block_starts_gmem, num_blocks_gmem, head_gmem, tail_gmem, x_gmem, dy_gmem, o_gmem):
     @functools.partial(
-        pl.run_scoped,
-        x_smem=plgpu.SMEM((stages, block_k, cta_m), x.dtype, transforms=transforms),
-        dy_smem=plgpu.SMEM((stages, block_k, block_n), dy.dtype, transforms=transforms),
-        o_smem=plgpu.SMEM((2, block_m, block_n), x.dtype, transforms=transforms),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the two copies of a step
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumer warpgroups
-        collective_axes="wg",
+      pl.run_scoped,
+      x_smem=plgpu.SMEM((stages, block_k, cta_m), x.dtype, transforms=transforms),
+      dy_smem=plgpu.SMEM((stages, block_k, block_n), dy.dtype, transforms=transforms),
+      o_smem=plgpu.SMEM((2, block_m, block_n), x.dtype, transforms=transforms),
+      loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the two copies of a step
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both consumer warpgroups
+      collective_axes="wg",
     )
     def _scope(x_smem, dy_smem, o_smem, loaded, consumed):
       def tile_info(loop_info):
@@ -555,9 +637,23 @@ def ragged_wgrad_ws(x, dy, group_sizes, *, block_m: int, block_n: int, block_k: 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read its buffer
         out[...] = acc.astype(out.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, o_gmem.at[gi, pl.ds(mi * cta_m + wg * block_m, block_m), pl.ds(ni * block_n, block_n)])
+        plgpu.copy_smem_to_gmem(
+          out, o_gmem.at[gi, pl.ds(mi * cta_m + wg * block_m, block_m), pl.ds(ni * block_n, block_n)]
+        )
 
-      warp_specialized(tiles=(g, grid_m * grid_n), tile_info=tile_info, num_steps=num_steps, load=load, mma=mma, store=store,
-                        acc_shape=(block_m, block_n), stages=stages, loaded=loaded, consumed=consumed)
+      warp_specialized(
+        tiles=(g, grid_m * grid_n),
+        tile_info=tile_info,
+        num_steps=num_steps,
+        load=load,
+        mma=mma,
+        store=store,
+        acc_shape=(block_m, block_n),
+        stages=stages,
+        loaded=loaded,
+        consumed=consumed,
+      )
 
-  return ws_kernel(body, jax.ShapeDtypeStruct((g, kdim, n), x.dtype), interpret)(sizes, block_starts, num_blocks, head, tail, x, dy)
+  return ws_kernel(body, jax.ShapeDtypeStruct((g, kdim, n), x.dtype), interpret)(
+    sizes, block_starts, num_blocks, head, tail, x, dy
+  )

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   groups = w.shape[0]
   if x.shape[0] % groups:
-    raise ValueError(f"moe_gmm_backend=padded needs rows ({x.shape[0]}) divisible by groups ({groups}): use moe_dispatch=capacity")
+    raise ValueError(
+      f"moe_gmm_backend=padded needs rows ({x.shape[0]}) divisible by groups ({groups}): use moe_dispatch=capacity"
+    )
   per_group = x.reshape(groups, x.shape[0] // groups, x.shape[1])
   y = jnp.einsum("gck,gkn->gcn", per_group, w, preferred_element_type=x.dtype)
   return y.reshape(x.shape[0], w.shape[2])

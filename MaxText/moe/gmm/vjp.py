@@ -74,6 +74,6 @@ def xla_dgrad(dy, w, group_sizes):
 
 def xla_wgrad(x, dy, group_sizes):
   numbers = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
   )
   return jax.lax.ragged_dot_general(x, dy, group_sizes, numbers, preferred_element_type=jnp.float32)
