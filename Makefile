@@ -1,12 +1,13 @@
 # make train: create .venv (Python >= 3.12) on first use, install, train the tiny DeepSeek-V3 recipe on CPU.
-# make test:  the test suite (what .ci/run calls).
+# make test:  the test suite (what .ci/run calls, after make lint).
+# make lint:  ruff check and ruff format --check (line length 120).
 PYTHON ?= $(shell scripts/find_python.sh)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install train test doctor clean
+.PHONY: install train test lint doctor clean
 
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt requirements-gpu-aot.txt pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: set PYTHON to a Python >= 3.12" >&2; exit 2; }
@@ -27,6 +28,10 @@ install: $(STAMP)
 
 train: $(STAMP)
 	$(PY) -m MaxText.train recipes/deepseek_v3_tiny.yml $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) $(HF_STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest -q tests

@@ -47,7 +47,10 @@ from MaxText.progress import progress
 REPO = Path(__file__).resolve().parents[1]
 EXIT_DOES_NOT_FIT = 3
 DEFAULT_MEMORY_FRACTION = 0.75  # what the JAX GPU client preallocates unless told otherwise
-USAGE = "usage: python -m MaxText.aot RECIPE.yml --gpu {h100,h200} --num-gpus N [--gpus-per-host 8] [--memory-fraction F] [--json OUT] [key=value ...]"
+USAGE = (
+  "usage: python -m MaxText.aot RECIPE.yml --gpu {h100,h200} --num-gpus N [--gpus-per-host 8] "
+  "[--memory-fraction F] [--json OUT] [key=value ...]"
+)
 
 # Dense tensor-core peaks per GPU (no sparsity), FLOP/s: Hopper SXM, bf16 and fp8.
 PEAK_FLOPS = {"h100": {"bf16": 989e12, "fp8": 1979e12}, "h200": {"bf16": 989e12, "fp8": 1979e12}}
@@ -67,7 +70,8 @@ def plugin_site() -> Path | None:
       return Path(c)
   raise UserError(
     "the planner needs the CUDA plugin of this jaxlib and it is not installed; "
-    f"run `make install`, or: pip install --no-deps --target {REPO / '.venv' / 'gpu-aot'} -r {REPO / 'requirements-gpu-aot.txt'}"
+    f"run `make install`, or: pip install --no-deps --target {REPO / '.venv' / 'gpu-aot'} "
+    f"-r {REPO / 'requirements-gpu-aot.txt'}"
   )
 
 
@@ -302,11 +306,14 @@ def format_report(r: dict) -> str:
     f"  temporaries        {gib(m['temporaries'])}   (activations, gathered weights, gradients)",
     f"  host offloaded     {gib(m['host_offloaded'])}   (pinned host memory, not counted in the peak)",
     f"  peak               {gib(m['peak'])}   {budget}",
-    f"compute per GPU per step: {f['model'] / 1e12:,.2f} TFLOP model, {f['traced'] / 1e12:,.2f} TFLOP traced (matmuls incl. remat recompute, ragged GEMMs over whole buffers"
+    f"compute per GPU per step: {f['model'] / 1e12:,.2f} TFLOP model, {f['traced'] / 1e12:,.2f} TFLOP traced "
+    "(matmuls incl. remat recompute, ragged GEMMs over whole buffers"
     + (f"; {r['uncounted_kernels']} kernel calls without a cost estimate not counted" if r["uncounted_kernels"] else "")
     + f"); >= {r['hbm_bytes_per_step_per_gpu'] / 1e9:,.1f} GB of HBM traffic",
-    f"step time >= {lb['step']:.3f} s (model FLOPs {lb['compute']:.3f} s at {r['peak_flops'] / 1e12:.0f} TFLOP/s {r['precision_for_peak']}, "
-    f"HBM {lb['memory']:.3f} s); <= {r['upper_bound_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; collectives not included",
+    f"step time >= {lb['step']:.3f} s (model FLOPs {lb['compute']:.3f} s at "
+    f"{r['peak_flops'] / 1e12:.0f} TFLOP/s {r['precision_for_peak']}, "
+    f"HBM {lb['memory']:.3f} s); <= {r['upper_bound_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU; "
+    "collectives not included",
     *(
       ["attention: cuDNN flash attention planned with a same-footprint stand-in (MaxText/flash_stand_in.py)"]
       if r["attention_stand_in"]
@@ -346,8 +353,10 @@ def main(argv: list[str]) -> int:
     m = report["memory"]
     what = "the step needs" if report["compiled"] else "the train state alone needs"
     print(
-      f"error: does not fit: {what} {m['peak'] / 2**30:.1f} GiB per GPU, {(m['peak'] - m['budget']) / 2**30:.1f} GiB over the "
-      f"budget of {m['budget'] / 2**30:.1f} GiB ({m['memory_fraction']:.2f} x {args.gpu}); use more GPUs, more offload or remat, or a smaller batch",
+      f"error: does not fit: {what} {m['peak'] / 2**30:.1f} GiB per GPU, "
+      f"{(m['peak'] - m['budget']) / 2**30:.1f} GiB over the "
+      f"budget of {m['budget'] / 2**30:.1f} GiB ({m['memory_fraction']:.2f} x {args.gpu}); "
+      "use more GPUs, more offload or remat, or a smaller batch",
       file=sys.stderr,
     )
     return EXIT_DOES_NOT_FIT

@@ -155,7 +155,8 @@ class Checkpointer:
 
   # ---- save ----
   def save(self, step: int, state, data_state: dict) -> None:
-    """Starts saving `state` as `step`; with async_checkpointing it returns once the arrays are copied off the device."""
+    """Starts saving `state` as `step`; with async_checkpointing it returns once the arrays are copied off the
+    device."""
     self.directory.mkdir(parents=True, exist_ok=True)
     config = {**self.cfg.to_flat_dict(), **self.identity}
     args = ocp.args.Composite(

@@ -84,14 +84,15 @@ def devices(gpu: str, num_gpus: int, gpus_per_host: int = 8) -> list:
     )
   except (NotImplementedError, RuntimeError) as e:
     raise UserError(
-      f"compile-only GPU devices need the CUDA plugin of this jaxlib (pip install --no-deps -r requirements-gpu-aot.txt): {str(e).splitlines()[0]}"
+      "compile-only GPU devices need the CUDA plugin of this jaxlib "
+      f"(pip install --no-deps -r requirements-gpu-aot.txt): {str(e).splitlines()[0]}"
     ) from None
   return list(topo.devices)
 
 
 def lowering_for(devices: list):
   """A context to lower and compile for compile-only `devices` in: Pallas Triton kernels (fp8's
-  quantisation, quant/quantize_kernels.py) take the GPU they compile for from JAX's default device,
+  quantisation, kernels/triton_quantize.py) take the GPU they compile for from JAX's default device,
   which is this machine's CPU otherwise."""
   import jax
 

@@ -13,6 +13,7 @@ type or value is an error naming the key and what is allowed.
 import dataclasses
 import difflib
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ from MaxText.errors import UserError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASE_YML = Path(__file__).resolve().parent / "configs" / "base.yml"
 PATH_KEYS = ("base_config", "model_config")
+# Keys that recipes used and that no longer do anything: accepted, with one line saying so.
+DEPRECATED = {
+  "moe_mosaic_kernels": "moe_gmm_backend=mosaic has one kernel set now (the warp-specialized kernels); "
+  "the key is ignored: remove it",
+}
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,17 @@ def _unknown_key(key: str, where: str) -> UserError:
   return UserError(f"unknown config key '{key}' in {where}{hint}")
 
 
+def registry_choices(registry: str) -> tuple[str, ...]:
+  """The values a registry-backed key takes (config_schema.registry_choice), read from the registry itself."""
+  if registry == "moe_dispatch":
+    from MaxText.moe import dispatch, ep
+
+    return (*dispatch.DISPATCHERS, *ep.BACKENDS)
+  from MaxText import gmm
+
+  return {"moe_gmm_backend": gmm.backends, "quantization": gmm.quantizations}[registry]()
+
+
 def _typed(key: str, value: Any, f: dataclasses.Field, where: str) -> Any:
   kind = f.type
   meta = f.metadata
@@ -129,8 +146,10 @@ def _typed(key: str, value: Any, f: dataclasses.Field, where: str) -> Any:
   elif kind is str:
     if not isinstance(value, str):
       raise UserError(f"{key}={value!r} (from {where}) must be a string")
-  if "choices" in meta and value not in meta["choices"]:
-    raise UserError(f"{key}={value!r} (from {where}) is not allowed; choose one of: {', '.join(meta['choices'])}")
+  choices = registry_choices(meta["registry"]) if "registry" in meta else meta.get("choices")
+  if choices is not None and value not in choices:
+    shown = ", ".join(c if c else '"" (off)' for c in choices)
+    raise UserError(f"{key}={value!r} (from {where}) is not allowed; choose one of: {shown}")
   if "ge" in meta and value < meta["ge"]:
     raise UserError(f"{key}={value!r} (from {where}) must be >= {meta['ge']}")
   if "gt" in meta and value <= meta["gt"]:
@@ -169,6 +188,9 @@ def load_config(recipe: str | Path | None, overrides: list[str] | tuple[str, ...
     for key, value in data.items():
       if key in PATH_KEYS:
         raise UserError(f"{key} can only be set in a recipe file, not in {where}")
+      if key in DEPRECATED:
+        print(f"warning: {key} (from {where}) is deprecated: {DEPRECATED[key]}", file=sys.stderr)
+        continue
       if key not in index:
         raise _unknown_key(key, where)
       values[key] = _typed(key, value, index[key][1], where)
@@ -216,7 +238,8 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
   if moe.topk_routing_group * per_group < moe.num_experts_per_tok:
     fail(
       "topk_routing_group",
-      f"{moe.topk_routing_group} groups of {per_group} experts cannot supply num_experts_per_tok={moe.num_experts_per_tok}",
+      f"{moe.topk_routing_group} groups of {per_group} experts cannot supply "
+      f"num_experts_per_tok={moe.num_experts_per_tok}",
     )
   _check_route_limit(moe, fail)
   if moe.moe_group_pad_multiple and moe.moe_dispatch != "sort":
@@ -233,11 +256,10 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
     fail("moe_gmm_backend", "padded runs equal-capacity groups; set moe_dispatch=capacity (and capacity_factor)")
   if moe.moe_gmm_backend == "mosaic" and m.dtype not in ("bfloat16", "float16"):
     fail("moe_gmm_backend", f"mosaic runs bf16/fp16 tensor-core kernels; set dtype=bfloat16 (dtype is {m.dtype})")
-  if moe.quantization:
-    from MaxText.quant import check as quant_check
+  from MaxText import gmm
 
-    if why := quant_check(moe.quantization, moe.moe_gmm_backend):
-      fail("quantization", why)
+  if why := gmm.check(moe.quantization, moe.moe_gmm_backend, moe.mxfp8_impl):
+    fail("mxfp8_impl" if why.startswith("mxfp8_impl") else "quantization", why)
   if t.per_device_batch_size % t.gradient_accumulation_steps:
     fail(
       "gradient_accumulation_steps",
@@ -275,7 +297,8 @@ def _check_route_limit(moe, fail) -> None:
     if fewest * (moe.num_experts // n) < k:
       fail(
         "moe_route_limit_topk_groups",
-        f"{m} of {g} groups may hold only {fewest} of the topk_routing_group={kept} routing groups, fewer than num_experts_per_tok={k} experts",
+        f"{m} of {g} groups may hold only {fewest} of the topk_routing_group={kept} routing groups, "
+        f"fewer than num_experts_per_tok={k} experts",
       )
 
 
@@ -294,11 +317,9 @@ def _check_expert_parallel(cfg: Config, fail) -> None:
   if moe.capacity_factor > 0:
     fail(
       "capacity_factor",
-      f"moe_dispatch={moe.moe_dispatch} is dropless; set capacity_factor=-1 (size its buffers with moe_ep_buffer_factor)",
+      f"moe_dispatch={moe.moe_dispatch} is dropless; set capacity_factor=-1 "
+      "(size its buffers with moe_ep_buffer_factor)",
     )
-  problem = ep.unavailable(moe.moe_dispatch)
-  if problem:
-    fail("moe_dispatch", f"{moe.moe_dispatch}: {problem}")
   size = mesh.ici_expert_parallelism * mesh.dcn_expert_parallelism
   if mesh.ici_expert_parallelism > 0 and mesh.dcn_expert_parallelism > 0 and moe.num_experts % size:
     fail("ici_expert_parallelism", f"num_experts={moe.num_experts} is not divisible by the expert-parallel size {size}")

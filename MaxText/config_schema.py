@@ -22,6 +22,12 @@ def between(lo, hi):
   return field(metadata={"ge": lo, "le": hi})
 
 
+def registry_choice(registry: str):
+  """Choices that a registry holds, read when a config is checked (config.py: registry_choices), so that an
+  entry registered after start-up counts; this module imports none of them."""
+  return field(metadata={"registry": registry})
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 # Where a checkpoint-named tensor lives between forward and backward (MaxText/remat.py).
 REMAT_LOCATIONS = ("remat", "device", "offload")
@@ -44,6 +50,7 @@ class ModelConfig:
   normalization_layer_epsilon: float = at_least(0.0, strict=True)
   param_init_std: float = at_least(0.0, strict=True)
   logits_dot_in_fp32: bool
+  loss_chunk_tokens: int = at_least(0)
   # Multi-head latent attention (DeepSeek-V2/V3).
   q_lora_rank: int = at_least(0)
   kv_lora_rank: int = at_least(1)
@@ -114,14 +121,14 @@ class MoEConfig:
   moe_route_limit_groups: int = at_least(0)
   moe_route_limit_topk_groups: int = at_least(0)
   load_balance_loss_weight: float = at_least(0.0)
-  moe_dispatch: str = choice("sort", "capacity", "ragged_a2a", "dense_a2a", "allgather", "te")
+  moe_dispatch: str = registry_choice("moe_dispatch")
   capacity_factor: float
-  # Expert parallelism (moe_dispatch=ragged_a2a | dense_a2a | allgather | te; MaxText/moe/ep/).
+  # Expert parallelism (moe_dispatch=ragged_a2a | dense_a2a | allgather; MaxText/moe/ep/).
   moe_dedup: bool
   moe_ep_buffer_factor: float
-  moe_gmm_backend: str = choice("xla", "padded", "mosaic", "tokamax", "te", "auto")
-  moe_mosaic_kernels: str = choice("ours", "ours_ws", "jax")  # the kernel set of moe_gmm_backend=mosaic
-  quantization: str = choice("", "mxfp8", "fp8_blockwise")  # expert GEMMs; MaxText/quant/
+  # The expert GEMM: one entry of MaxText/gmm/'s registry for the pair (quantization, moe_gmm_backend).
+  moe_gmm_backend: str = registry_choice("moe_gmm_backend")
+  quantization: str = registry_choice("quantization")
   mxfp8_impl: str = choice("auto", "block_scaled", "emulated")  # quantization=mxfp8's products
   quantize_before_permute: bool
   quantize_with_activation: bool
@@ -131,6 +138,8 @@ class MoEConfig:
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
   learning_rate: float = at_least(0.0)
+  learning_rate_schedule: str = choice("warmup_cosine", "phases")
+  learning_rate_phases: str  # learning_rate_schedule=phases: segments in steps or tokens (MaxText/schedules.py)
   warmup_steps_fraction: float = between(0.0, 1.0)
   learning_rate_schedule_steps: int
   cosine_learning_rate_final_fraction: float = between(0.0, 1.0)
@@ -141,6 +150,20 @@ class OptimizerConfig:
   gradient_clipping_threshold: float = at_least(0.0)
   mu_dtype: str = choice("", "float32", "bfloat16")
   nu_dtype: str = choice("", "float32", "bfloat16")
+
+  def __post_init__(self):
+    from MaxText import schedules
+
+    if self.learning_rate_schedule == "phases" and not self.learning_rate_phases:
+      schedules.fail(
+        "learning_rate_phases", "learning_rate_schedule=phases needs them, e.g. 'linear 3e-4 for 100 steps; 3e-4'"
+      )
+    if self.learning_rate_schedule == "phases":
+      schedules.check(self.learning_rate_phases, "learning_rate_phases")
+    elif self.learning_rate_phases:
+      schedules.fail(
+        "learning_rate_phases", "acts only with learning_rate_schedule=phases (set it, or leave this empty)"
+      )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,6 +211,9 @@ class TrainConfig:
   max_target_length: int = at_least(2)
   gradient_accumulation_steps: int = at_least(1)
   steps: int = at_least(1)
+  # Values scheduled over the run, in steps or tokens ("" = the constant key; MaxText/schedules.py).
+  mtp_loss_scaling_factor_schedule: str
+  routed_bias_update_rate_schedule: str
   init_weights_seed: int = at_least(0)
   log_period: int = at_least(1)
   enable_tensorboard: bool
@@ -211,6 +237,13 @@ class TrainConfig:
   xla_flags: str
   env_presets: str
   env_vars: str
+
+  def __post_init__(self):
+    from MaxText import schedules
+
+    for key in ("mtp_loss_scaling_factor_schedule", "routed_bias_update_rate_schedule"):
+      if getattr(self, key):
+        schedules.check(getattr(self, key), key)
 
 
 SECTIONS = {

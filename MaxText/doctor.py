@@ -57,13 +57,6 @@ CORE_PACKAGES = [
 
 # (name, module, distributions to read the version from, what it enables, how to install).
 OPTIONAL_PACKAGES = [
-  (
-    "transformer_engine",
-    "transformer_engine",
-    ("transformer-engine", "transformer-engine-jax"),
-    "Transformer Engine: moe_gmm_backend=te, moe_dispatch=te",
-    "pip install 'transformer_engine[jax]'",
-  ),
   ("tokamax", "tokamax", ("tokamax",), "tokamax Pallas kernels: moe_gmm_backend=tokamax", "pip install tokamax"),
   ("torch", "torch", ("torch",), "PyTorch: parity tests and benchmarks", "pip install torch"),
   (
@@ -97,7 +90,7 @@ CUDA_PLUGINS = {
   12: (("jax_cuda12_plugin", "jax-cuda12-plugin"), ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt")),
 }
 
-MOSAIC_GMM_MODULE = "jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"
+MOSAIC_GMM_MODULE = "jax.experimental.pallas.mosaic_gpu"
 HOPPER = "9.0"
 
 ENV_VARS = [
@@ -297,14 +290,7 @@ def check_optional(name: str, module: str, dists: tuple[str, ...], purpose: str,
   if spec is None:
     return Check(name, MISSING, f"not installed ({purpose}); {install}")
   version = dist_version(*dists) or "unknown version"
-  if module == "transformer_engine" and not has_subpackage(spec, "jax"):
-    # The transformer-engine wheel alone is the PyTorch build; the JAX extension comes as its own wheel.
-    return Check(name, UNUSABLE, f"{version} without its JAX extension ({purpose}); {install}")
   return Check(name, OK, f"{version}; {purpose}")
-
-
-def has_subpackage(spec, sub: str) -> bool:
-  return any(os.path.isdir(os.path.join(path, sub)) for path in (spec.submodule_search_locations or []))
 
 
 def check_env() -> list[Check]:
@@ -391,7 +377,8 @@ def check_nccl() -> Check:
     return Check(
       "nccl",
       OK,
-      f"{version} (from {'the wheel metadata' if dist_version(*NCCL_DISTS) else 'NCCL_VERSION'}; library not loadable here); {purpose}",
+      f"{version} (from {'the wheel metadata' if dist_version(*NCCL_DISTS) else 'NCCL_VERSION'}; "
+      f"library not loadable here); {purpose}",
     )
   return Check(
     "nccl", MISSING, f"no libnccl found: {purpose} need it; pip install 'jax[cuda13]' brings nvidia-nccl-cu13"
@@ -416,23 +403,20 @@ def check_host_memory(devices: list) -> Check:
 
 
 def check_moe_backends(devices: list) -> list[Check]:
-  """Which moe_dispatch and moe_gmm_backend choices can run here (from their registries)."""
-  from MaxText.config_schema import MoEConfig
-  from MaxText.moe import ep, gmm
+  """Which moe_dispatch choices and expert GEMMs can run here (from their registries)."""
+  from MaxText import gmm
+  from MaxText.moe import dispatch, ep
 
-  gpu = any(is_gpu(d) for d in devices)
+  platform = "gpu" if any(is_gpu(d) for d in devices) else "cpu"
   hopper = all_hopper(devices)
   dispatch_ok, dispatch_not = [], []
-  choices = next(f for f in dataclasses.fields(MoEConfig) if f.name == "moe_dispatch").metadata["choices"]
-  for name in choices:
-    problem = ep.unavailable(name) if ep.is_ep(name) else None
-    if problem is None and name == "ragged_a2a" and not gpu:
-      problem = "jax.lax.ragged_all_to_all runs on GPUs (XLA:CPU has none)"
+  for name in (*dispatch.DISPATCHERS, *ep.BACKENDS):
+    problem = ep.unavailable(name, platform) if ep.is_ep(name) else None
     (dispatch_not.append(f"{name} ({problem})") if problem else dispatch_ok.append(name))
   gmm_ok, gmm_not = [], []
-  for name in gmm.BACKENDS:
-    problem = None if gmm.available(name) else f"needs {gmm.BACKENDS[name][1]}"
-    if problem is None and name == "mosaic" and not hopper:
+  for name, entry in gmm.EXPERT_GEMMS.items():
+    problem = gmm.unavailable(name)
+    if problem is None and entry.hopper_only and not hopper:
       problem = "needs sm_90 GPUs"
     (gmm_not.append(f"{name} ({problem})") if problem else gmm_ok.append(name))
 
@@ -441,17 +425,17 @@ def check_moe_backends(devices: list) -> list[Check]:
 
   return [
     Check("moe_dispatch", OK if dispatch_ok else UNUSABLE, line(dispatch_ok, dispatch_not)),
-    Check("moe_gmm_backend", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not)),
+    Check("expert GEMM", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not)),
   ]
 
 
 def check_quantization(devices: list) -> Check:
   """What `quantization` runs as on these devices."""
-  from MaxText import quant
-  from MaxText.moe import gmm
+  from MaxText import gmm
+  from MaxText.kernels import gpu
 
-  hopper_kernels = gmm.available("mosaic") and all_hopper(devices)
-  native = bool(devices) and all(quant.has_block_scaled_mma(d) for d in devices)
+  hopper_kernels = gmm.unavailable("fp8_blockwise:mosaic") is None and all_hopper(devices)
+  native = bool(devices) and all(gpu.has_block_scaled_mma(d) for d in devices)
   mx = (
     "mxfp8_impl=auto -> block_scaled (tensor-core block-scaled MMA)"
     if native

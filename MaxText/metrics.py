@@ -59,7 +59,8 @@ class StepClock:
 
 
 class MetricsWriter:
-  """Prints each logged step; with `files` (process 0 of a multi-process run) also writes metrics.jsonl and TensorBoard."""
+  """Prints each logged step; with `files` (process 0 of a multi-process run) also writes metrics.jsonl and
+  TensorBoard."""
 
   def __init__(self, run_dir: Path, tensorboard: bool, files: bool = True):
     self.jsonl = open(run_dir / "metrics.jsonl", "a") if files else None

@@ -1,4 +1,5 @@
-"""AdamW with linear warmup then cosine decay, and global-norm clipping (optax).
+"""AdamW with linear warmup then cosine decay (or a schedule of phases in steps or tokens,
+MaxText/schedules.py), and global-norm clipping (optax).
 
 The moments are kept in the parameters' dtype unless mu_dtype/nu_dtype say otherwise: DeepSeek-V3 keeps
 both in bf16 (arXiv 2412.19437, section 3.3.3), which halves the optimizer state's memory and the bytes
@@ -11,11 +12,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from MaxText import schedules
 from MaxText.config_schema import OptimizerConfig
 from MaxText.params import is_spec
 
 
-def learning_rate_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimizerConfig, steps: int, tokens_per_step: int = 1) -> optax.Schedule:
+  """The learning rate at a step: warmup_cosine (optax's), or learning_rate_phases, whose amounts in tokens
+  are counted at tokens_per_step (global batch x sequence length)."""
+  if cfg.learning_rate_schedule == "phases":
+    return schedules.Schedule("learning_rate", cfg.learning_rate_phases, tokens_per_step)
   total = steps if cfg.learning_rate_schedule_steps == -1 else cfg.learning_rate_schedule_steps
   warmup = int(cfg.warmup_steps_fraction * total)
   return optax.warmup_cosine_decay_schedule(
@@ -27,18 +33,18 @@ def learning_rate_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
   )
 
 
-def make_optimizer(cfg: OptimizerConfig, steps: int, specs) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, steps: int, specs, tokens_per_step: int = 1) -> optax.GradientTransformation:
   # Decay weight matrices only; norm scales (initialised to ones) are left alone.
   decay_mask = jax.tree.map(lambda s: s.init == "normal", specs, is_leaf=is_spec)
   if cfg.mu_dtype or cfg.nu_dtype:
     adamw = optax.chain(
       scale_by_adam_stored_as(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.mu_dtype or None, cfg.nu_dtype or None),
       optax.add_decayed_weights(cfg.adam_weight_decay, decay_mask),
-      optax.scale_by_learning_rate(learning_rate_schedule(cfg, steps)),
+      optax.scale_by_learning_rate(learning_rate_schedule(cfg, steps, tokens_per_step)),
     )
   else:
     adamw = optax.adamw(
-      learning_rate_schedule(cfg, steps),
+      learning_rate_schedule(cfg, steps, tokens_per_step),
       b1=cfg.adam_b1,
       b2=cfg.adam_b2,
       eps=cfg.adam_eps,

@@ -177,7 +177,8 @@ def render(summary: dict) -> str:
   lines = [
     f"# Device time per step ({summary['steps']} steps of {summary['module']}, {summary['plane']})",
     "",
-    f"Kernels {summary['kernel_ms_per_step']:.2f} ms, device busy {summary['device_busy_ms_per_step']:.2f} ms{measured}.",
+    f"Kernels {summary['kernel_ms_per_step']:.2f} ms, "
+    f"device busy {summary['device_busy_ms_per_step']:.2f} ms{measured}.",
     "",
     "| scope | ms/step | share of kernel time |",
     "|---|---|---|",

@@ -77,7 +77,8 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[s
       sizes[fill[0]] = count // fixed
     if math.prod(sizes.values()) != count:
       raise UserError(
-        f"{level} mesh {_fmt(sizes)} has {math.prod(sizes.values())} devices but {count} are available; make the product {count} or set one axis to -1"
+        f"{level} mesh {_fmt(sizes)} has {math.prod(sizes.values())} devices but {count} are available; "
+        f"make the product {count} or set one axis to -1"
       )
     for a in MESH_AXES:
       shape[a] = shape.get(a, 1) * sizes[a]

@@ -92,9 +92,7 @@ def describe(cfg: Config, trainer, flops_per_token: float) -> str:
     f"devices: {jax.device_count()} x {d.device_kind} ({d.platform}), {jax.process_count()} process(es); mesh {mesh}\n"
     f"batch: {trainer.global_batch} sequences x {cfg.train.max_target_length} tokens, "
     f"{cfg.train.gradient_accumulation_steps} microbatch(es); moe_dispatch={cfg.moe.moe_dispatch} "
-    f"moe_gmm_backend={cfg.moe.moe_gmm_backend}"
-    + (f" (kernels {cfg.moe.moe_mosaic_kernels})" if cfg.moe.moe_gmm_backend == "mosaic" else "")
-    + f"; dtype={cfg.model.dtype} weights={cfg.model.weight_dtype}"
+    f"expert GEMM {trainer.expert_gemm}" + f"; dtype={cfg.model.dtype} weights={cfg.model.weight_dtype}"
   )
 
 
@@ -206,7 +204,8 @@ def prepare(cfg: Config) -> Run:
   first_profiled = (start or 0) + t.skip_first_n_steps_for_profiler
   if t.profiler and first_profiled + t.profiler_steps > t.steps:
     raise UserError(
-      f"profiler={t.profiler}: steps {first_profiled}-{first_profiled + t.profiler_steps - 1} would be profiled but the run ends "
+      f"profiler={t.profiler}: steps {first_profiled}-{first_profiled + t.profiler_steps - 1} would be profiled "
+      f"but the run ends "
       f"at step {t.steps - 1}; lower skip_first_n_steps_for_profiler or profiler_steps, or raise steps"
     )
   return Run(
@@ -261,7 +260,8 @@ def compile_step(run: Run, state, batch):
     print(
       f"compiled step memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, "
       f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB; "
-      f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB"
+      f"host: arguments {mem.host_argument_size_in_bytes / 2**30:.2f} GiB, "
+      f"temporaries {mem.host_temp_size_in_bytes / 2**30:.2f} GiB"
     )
   return step_fn, compile_s
 
@@ -369,10 +369,16 @@ def execute(run: Run) -> list[dict]:
     profiler = StepProfiler(run.run_dir / "profile", run.first_profiled, t.profiler_steps, step_fn.as_text())
   writer = MetricsWriter(run.run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
   log = StepLog(run, writer, profiler, start)
+  from MaxText import schedules
+
+  # Each scheduled value where the run starts, then one line as each changes (known on the host ahead of time).
+  schedule_lines = schedules.log_lines(trainer.schedules, start, t.steps)
   stopped_at = None
   try:
     with Preemption() as preemption:
       for step in range(start, t.steps):
+        for line in schedule_lines.get(step, ()):
+          print(line, flush=True)
         if profiler:
           profiler.before(step, state)
         state, metrics = step_fn(state, batch)

@@ -22,8 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from MaxText import host_offload, model, params
 from MaxText.config import Config
 from MaxText.errors import UserError
-from MaxText import quant
-from MaxText.moe import gmm, router
+from MaxText import gmm, schedules
+from MaxText.moe import router
 from MaxText.optimizer import learning_rate_schedule, make_optimizer
 from MaxText.sharding import Sharder, param_shardings
 
@@ -40,21 +40,39 @@ class Trainer:
 
   def __init__(self, cfg: Config, mesh: Mesh):
     device = mesh.devices.flat[0]
+    moe = cfg.moe
     try:
-      backend, why = gmm.resolve(cfg.moe.moe_gmm_backend, device, cfg.model.dtype)
+      chosen = gmm.resolve(moe.quantization, moe.moe_gmm_backend, moe.mxfp8_impl, device, cfg.model.dtype)
     except ValueError as e:
       raise UserError(str(e)) from None
-    if backend != cfg.moe.moe_gmm_backend:
-      print(f"moe_gmm_backend={cfg.moe.moe_gmm_backend} -> {backend}: {why}", flush=True)
-      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_gmm_backend=backend))
-    if (impl := quant.resolve_mxfp8(cfg.moe.mxfp8_impl, device)) != cfg.moe.mxfp8_impl:
-      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mxfp8_impl=impl))
-    if cfg.moe.quantization:
-      print(quant.describe(cfg.moe.quantization, backend, device, impl), flush=True)
+    if chosen.backend != moe.moe_gmm_backend:
+      print(f"moe_gmm_backend={moe.moe_gmm_backend} -> {chosen.backend}: {chosen.why}", flush=True)
+    # The layers build the expert GEMM from the resolved keys (MaxText/moe/layer.py).
+    cfg = dataclasses.replace(
+      cfg, moe=dataclasses.replace(moe, moe_gmm_backend=chosen.backend, mxfp8_impl=chosen.mxfp8_impl)
+    )
+    self.expert_gemm = chosen.name
+    options = gmm.Options(moe.quantize_with_activation, moe.quantize_before_permute)
+    print(gmm.describe(chosen.name, options, device), flush=True)
     self.cfg, self.mesh = cfg, mesh
     self.specs = model.model_specs(cfg.model, cfg.moe)
-    self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps, self.specs)
-    self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    # Schedules in tokens count global batch x sequence length per step (MaxText/schedules.py).
+    self.tokens_per_step = cfg.train.per_device_batch_size * mesh.size * cfg.train.max_target_length
+    self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps, self.specs, self.tokens_per_step)
+    self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps, self.tokens_per_step)
+    t = cfg.train
+    self.mtp_weight = (
+      schedules.Schedule("mtp_loss_scaling_factor", t.mtp_loss_scaling_factor_schedule, self.tokens_per_step)
+      if t.mtp_loss_scaling_factor_schedule
+      else None
+    )
+    self.bias_rate = (
+      schedules.Schedule("routed_bias_update_rate", t.routed_bias_update_rate_schedule, self.tokens_per_step)
+      if t.routed_bias_update_rate_schedule
+      else None
+    )
+    # The schedules the log follows (train.py prints each change).
+    self.schedules = [s for s in (self.schedule, self.mtp_weight, self.bias_rate) if isinstance(s, schedules.Schedule)]
     self.shard = Sharder(mesh)
     self.batch_sharding = self.shard.named(("batch", "seq"))
     self.device_state_shardings = self._state_shardings()
@@ -107,8 +125,8 @@ class Trainer:
     return jax.jit(init, out_shardings=self.state_shardings)()
 
   # ---- step ----
-  def _grads(self, p, bias, batch: model.Batch):
-    m, moe_cfg = self.cfg.model, self.cfg.moe
+  def _grads(self, p, bias, batch: model.Batch, m=None):
+    m, moe_cfg = self.cfg.model if m is None else m, self.cfg.moe
     grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
     accum = self.cfg.train.gradient_accumulation_steps
     if accum == 1:
@@ -143,13 +161,21 @@ class Trainer:
 
   def step(self, state: TrainState, batch: model.Batch) -> tuple[TrainState, dict]:
     state = host_offload.to_device(state, self.device_state_shardings, self.cfg.train)
-    (loss, aux), grads = self._grads(state.params, state.bias, batch)
+    m, extra = self.cfg.model, {}
+    # Scheduled values are traced functions of the step: one compiled step for all of them.
+    if self.mtp_weight is not None:
+      extra["mtp_loss_scaling_factor"] = self.mtp_weight(state.step)
+      m = dataclasses.replace(m, mtp_loss_scaling_factor=extra["mtp_loss_scaling_factor"])
+    (loss, aux), grads = self._grads(state.params, state.bias, batch, m)
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       new_params = optax.apply_updates(state.params, updates)
     bias = state.bias
-    if self.cfg.moe.routed_bias and self.cfg.moe.routed_bias_update_rate > 0:
+    if self.cfg.moe.routed_bias and self.bias_rate is not None:
+      extra["routed_bias_update_rate"] = self.bias_rate(state.step)
+      bias = {k: router.update_bias(bias[k], aux.load[k], extra["routed_bias_update_rate"]) for k in bias}
+    elif self.cfg.moe.routed_bias and self.cfg.moe.routed_bias_update_rate > 0:
       bias = {k: router.update_bias(bias[k], aux.load[k], self.cfg.moe.routed_bias_update_rate) for k in bias}
     loads = jnp.concatenate([aux.load["moe_layers"], aux.load["mtp_layers"]], axis=0)
     metrics = {
@@ -165,6 +191,7 @@ class Trainer:
       "ep_overflow": aux.ep_overflow,
       "ep_sent_bytes": aux.ep_sent_bytes[0],
       "ep_sent_bytes_nodedup": aux.ep_sent_bytes[1],
+      **extra,  # the scheduled values of this step, when scheduled
     }
     # A non-finite loss or gradient never reaches the state, decided on device (the select fuses into the
     # update): nan_policy=skip goes on from the unchanged state, nan_policy=stop stops with no NaN ever saved.

@@ -1,13 +1,15 @@
-"""Where a Mosaic grouped GEMM's time goes: per-kernel device time (CUPTI) of fwd+bwd, per kernel set.
+"""Where a grouped GEMM's time goes: per-kernel device time (CUPTI) of fwd+bwd, per expert GEMM.
 
   python benchmarks/gmm_profile.py --out DIR [--iters 5]
-  python benchmarks/gmm_profile.py --out DIR --kernel-sets ours_ws --quant fp8_blockwise --cases 8:balanced
+  python benchmarks/gmm_profile.py --out DIR --gemms mosaic --quant fp8_blockwise --cases 8:balanced
 
 For each DeepSeek-V3 expert shape and G in {4, 32} (balanced and skewed group sizes, as in
-grouped_gemm.py; --cases to choose), runs the forward and backward of `mosaic.make_gmm(kernels)` for
-every kernel set (--kernel-sets to choose) and of each --quant quantised GEMM, and records every kernel
+grouped_gemm.py; --cases to choose), runs the forward and backward of each unquantised expert GEMM of
+the registry (MaxText/gmm/) on Mosaic GPU kernels (`mosaic`) and of JAX's own kernels as a peer
+(jax_ragged_dot_mgpu, as in grouped_gemm.py) (--gemms to choose, any unquantised entry allowed), and of
+each --quant quantised GEMM (registry names, as grouped_gemm.py's --quant), and records every kernel
 launch's median time and name, split into Mosaic GPU kernels and the rest (for the quantised GEMMs:
-the quantisation, layout and scale passes XLA runs around the kernels).
+the quantisation, layout and scale passes around the kernels).
 It also counts, for the forward/dgrad kernels, the row-tile slots a static grid of
 cdiv(M, block_m) + G - 1 holds and how many own rows (the rest are dead slots), and for wgrad how many
 group boundaries fall inside a row block (blocks that need masking). Writes gmm_profile.json and .md.
@@ -23,7 +25,32 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grouped_gemm import M, SHAPES, jax_inputs, machine, parse_cases  # noqa: E402
+from grouped_gemm import (  # noqa: E402
+  M,
+  PEER,
+  SHAPES,
+  check_quant,
+  jax_inputs,
+  jax_peer_gemm,
+  machine,
+  parse_cases,
+  quant_entries,
+)
+
+
+def gemm_choices() -> list[str]:
+  """--gemms' names: every unquantised registry entry on contiguous groups (padded takes the equal-capacity
+  layout: grouped_gemm.py times it on that), and JAX's kernels (the peer)."""
+  from MaxText import gmm
+
+  return [*(n for n, e in gmm.EXPERT_GEMMS.items() if not e.quantization and e.backend != "padded"), PEER]
+
+
+def default_gemms() -> list[str]:
+  """The unquantised registry entries on our Mosaic kernels, and the peer."""
+  from MaxText import gmm
+
+  return [*(n for n, e in gmm.EXPERT_GEMMS.items() if not e.quantization and e.backend == "mosaic"), PEER]
 
 
 def tile_counts(sizes: np.ndarray, block_m: int, block_k: int) -> dict:
@@ -56,56 +83,62 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True)
   ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--kernel-sets", default="", help="comma-separated Mosaic kernel sets (default: all)")
+  ap.add_argument(
+    "--gemms",
+    default="",
+    help="comma-separated unquantised expert GEMMs: registry names or jax_ragged_dot_mgpu "
+    "(default: the registry's entries on Mosaic kernels, and jax_ragged_dot_mgpu)",
+  )
   ap.add_argument(
     "--quant",
     default="",
-    help="comma-separated quantizations to profile too (mosaic+<q>): fp8_blockwise,mxfp8; "
-    "fp8_blockwise:VARIANT for one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize, ws_wide); "
-    "mxfp8:IMPL for an mxfp8_impl (emulated, block_scaled)",
+    help="comma-separated quantised expert GEMMs to profile too: registry names (mxfp8:mosaic, mxfp8:block_scaled, "
+    "fp8_blockwise:mosaic, ...), a bare quantization (what it runs here with moe_gmm_backend=auto), or all",
   )
   ap.add_argument("--cases", default="4:balanced,32:balanced,32:skewed", help="comma-separated GROUPS:SIZES")
   args = ap.parse_args()
   cases = parse_cases(ap, args.cases)
 
+  quant = check_quant(ap, args.quant)
+  gemms = [g for g in args.gemms.split(",") if g] or default_gemms()
+  if unknown := [g for g in gemms if g not in gemm_choices()]:
+    ap.error(f"--gemms {','.join(unknown)}: choose from {', '.join(gemm_choices())}")
+
   import jax
 
-  from MaxText.moe.gmm import mosaic
-  from MaxText import quant
+  from MaxText import gmm
+  from MaxText.kernels import mosaic_tiles
 
-  if bad := [q for q in args.quant.split(",") if q and q not in quant.labels()]:
-    ap.error(f"--quant {','.join(bad)}: choose from {', '.join(quant.labels())}")
-  kernel_sets = [k for k in args.kernel_sets.split(",") if k] or list(mosaic.KERNELS)
-  if unknown := [k for k in kernel_sets if k not in mosaic.KERNELS]:
-    ap.error(f"--kernel-sets {','.join(unknown)}: choose from {', '.join(mosaic.KERNELS)}")
+  variants = {name: jax_peer_gemm if name == PEER else lambda name=name: gmm.build(name) for name in gemms}
+  variants.update({name: lambda name=name: gmm.build(name) for name in quant_entries(quant, jax.devices()[0])})
   args.out.mkdir(parents=True, exist_ok=True)
   results = {"machine": machine(), "rows_M": M, "cases": []}
   lines = [
-    "| shape | G | sizes | kernels | total ms | TFLOP/s | Mosaic kernels ms | other ms | kernels (ms) | dead row-tile slots |",
+    "| shape | G | sizes | expert GEMM | total ms | TFLOP/s | Mosaic kernels ms | other ms | kernels (ms) "
+    "| dead row-tile slots |",
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
     sizes_np, x, w, dy, sizes = jax_inputs(k, n, g, kind)
-    tiles = mosaic.tiles_for("fwd", k, n)
+    tiles = mosaic_tiles.tiles("fwd", k, n, g)
     case = {
       "shape": shape,
       "k": k,
       "n": n,
       "groups": g,
       "sizes": kind,
-      "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic.tiles_for("wgrad", k, n)["block_k"]),
+      "tiles": tile_counts(sizes_np, tiles["block_m"], mosaic_tiles.tiles("wgrad", k, n, g)["block_k"]),
       "runs": {},
     }
-    variants = {f"mosaic:{name}": mosaic.make_gmm(name) for name in kernel_sets}
-    variants.update({f"mosaic+{q}": quant.labelled_gmm(q, jax.devices()[0]) for q in args.quant.split(",") if q})
-    for label, f in variants.items():
-
-      @jax.jit
-      def run(x, w, dy, f=f):
-        y, vjp = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
-        return y, *vjp(dy)
-
+    for label, make in variants.items():
       try:
+        f = make()
+
+        @jax.jit
+        def run(x, w, dy, f=f):
+          y, vjp = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
+          return y, *vjp(dy)
+
         kernels = per_kernel(run, (x, w, dy), args.iters)
         total = sum(r["ms"] for r in kernels)
         in_mosaic = sum(r["ms"] for r in kernels if "mosaic_gpu" in r["kernel"])
@@ -117,7 +150,8 @@ def main() -> int:
         }
         summary = ", ".join(f"{r['kernel'][:40]} {r['ms']:.3f}" for r in kernels if r["ms"] > 0.01)
         lines.append(
-          f"| {shape} | {g} | {kind} | {label} | {total:.3f} | {case['runs'][label]['tflops']:.0f} | {in_mosaic:.3f} | {total - in_mosaic:.3f} | {summary} | {case['tiles']['dead_fraction']:.3f} |"
+          f"| {shape} | {g} | {kind} | {label} | {total:.3f} | {case['runs'][label]['tflops']:.0f} | {in_mosaic:.3f} "
+          f"| {total - in_mosaic:.3f} | {summary} | {case['tiles']['dead_fraction']:.3f} |"
         )
       except Exception as e:
         case["runs"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

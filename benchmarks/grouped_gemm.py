@@ -1,20 +1,31 @@
-"""Grouped-GEMM benchmark at DeepSeek-V3 expert shapes: every backend side by side, in one run.
+"""Grouped-GEMM benchmark at DeepSeek-V3 expert shapes: every expert GEMM side by side, in one run.
 
   python benchmarks/grouped_gemm.py --out DIR [--tune] [--quick]
   python benchmarks/grouped_gemm.py --plot DIR/grouped_gemm.json      # bar chart PNG (needs matplotlib)
-  python benchmarks/grouped_gemm.py --out DIR --quick --quant fp8_blockwise,mxfp8,mxfp8:block_scaled   # + quantised rows
+  python benchmarks/grouped_gemm.py --out DIR --quick --quant fp8_blockwise,mxfp8,mxfp8:block_scaled  # + quantised
+  python benchmarks/grouped_gemm.py --out DIR --quick --fp8-tiles 256x3x4,128x4x4w128x3   # fp8_blockwise tile sweep
 
 Shapes: gate+up (K=7168 -> N=4096) and down (K=2048 -> N=7168), M=32768 token rows, G in {4, 8, 32}
 groups, balanced and skewed (Dirichlet(0.5), seed 0) group sizes rounded to multiples of 16 (what
-torch._grouped_mm needs). Rows: each available backend (xla, mosaic, padded, tokamax, te), the dense
-GEMM of the same FLOPs, and torch._grouped_mm when a CUDA torch is importable; forward and
-forward+backward (dx and dw). JAX timings are device kernel time from CUPTI (Mosaic GPU's profiler),
-torch's from CUDA events; both after warm-up, median of repeats. TFLOP/s count useful FLOPs only
-(2MKN forward, 6MKN forward+backward), so padding shows up as lost throughput.
+torch._grouped_mm needs). Rows: every unquantised entry of the expert-GEMM registry (MaxText/gmm/:
+xla, padded, mosaic, tokamax, ...) that can run here (padded on the equal-capacity layout, every group
+padded to the largest), JAX's own Mosaic GPU kernels as a peer (jax_ragged_dot_mgpu: ragged_dot_mgpu and
+transposed_ragged_dot_mgpu, the kernels `mosaic` replaced), the dense GEMM of the same FLOPs, and
+torch._grouped_mm when a CUDA torch is importable; forward and forward+backward (dx and dw). --quant
+adds quantised entries by registry name (mxfp8:mosaic, fp8_blockwise:mosaic, ...; a bare quantization
+is what it runs on this device with moe_gmm_backend=auto; `all`: every quantised entry). JAX timings
+are device kernel time from CUPTI (Mosaic GPU's profiler), torch's from CUDA events; both after
+warm-up, median of repeats. TFLOP/s count useful FLOPs only (2MKN forward, 6MKN forward+backward), so
+padding shows up as lost throughput.
 
---tune first searches Mosaic tile parameters for each kernel and width pair at --tune-groups
-balanced groups, merges them into a copy of the current table as that group-count regime, writes
-mosaic_tiles.json into DIR (copy it to MaxText/moe/gmm/ to make it the tuned table) and benchmarks
+--fp8-tiles times fp8_blockwise:mosaic at other tiles (gmm.fp8_blockwise.MosaicKernels' arguments):
+BLOCK_NxSTAGESxGRID_N for the forward and dgrad kernels, optionally followed by wBLOCK_NxSTAGES for the
+weight-gradient kernel (block_m is 128 throughout); rows "fp8_blockwise:mosaic[TILES]".
+
+--tune first searches tile parameters of the bf16 Mosaic kernels (MaxText/kernels/mosaic_gmm.py) for
+each kernel and width pair at --tune-groups balanced groups, merges them into a copy of the current
+table (MaxText/kernels/mosaic_tiles.json) as that group-count regime ("fwd:7168x4096:g32"), writes
+mosaic_tiles.json into DIR (copy it to MaxText/kernels/ to make it the tuned table) and benchmarks
 with it (--tune-only: stop after tuning).
 """
 
@@ -31,6 +42,11 @@ from pathlib import Path
 import numpy as np
 
 M = 32768
+PEER = "jax_ragged_dot_mgpu"  # JAX's own Mosaic GPU grouped-GEMM kernels, a peer row
+# Their tiles (block_m, block_n, block_k, max_concurrent_steps, grid_block_n) as they ran here: single-warpgroup
+# kernels, untuned (benchmarks/results/2026-12-03-h200-ws-kernels).
+PEER_TILES = {"fwd": (128, 128, 64, 5, 4), "dgrad": (128, 128, 64, 5, 4), "wgrad": (128, 128, 64, 4, 1)}
+FP8_TILES = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+)x(\d+))?")  # --fp8-tiles: BLOCK_NxSTAGESxGRID_N[wBLOCK_NxSTAGES]
 SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
 CASES = [(4, "balanced"), (4, "skewed"), (8, "balanced"), (32, "balanced"), (32, "skewed")]
 
@@ -110,14 +126,110 @@ def jax_inputs(k: int, n: int, g: int, kind: str) -> tuple:
   return sizes_np, x, w, dy, jnp.asarray(sizes_np)
 
 
+def quant_choices() -> list[str]:
+  """--quant's names (gmm_profile.py's too): each quantization alone, each quantised registry entry, `all`."""
+  from MaxText import gmm
+
+  return [*(q for q in gmm.quantizations() if q), *(n for n, e in gmm.EXPERT_GEMMS.items() if e.quantization), "all"]
+
+
+def check_quant(ap: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+  """--quant, checked against quant_choices() before anything runs (a usage error, exit code 2)."""
+  names = tuple(q for q in text.split(",") if q)
+  if bad := [q for q in names if q not in quant_choices()]:
+    ap.error(f"--quant {','.join(bad)}: choose from {', '.join(quant_choices())}")
+  return names
+
+
+def quant_entries(names, device) -> list[str]:
+  """The registry entries --quant names on `device`: a bare quantization is what quantization=q with
+  moe_gmm_backend=auto and mxfp8_impl=auto runs there; `all` is every quantised entry."""
+  from MaxText import gmm
+
+  entries = []
+  for q in names:
+    if q == "all":
+      entries += [n for n, e in gmm.EXPERT_GEMMS.items() if e.quantization]
+    elif q in gmm.EXPERT_GEMMS:
+      entries.append(q)
+    else:
+      entries.append(gmm.resolve(q, "auto", "auto", device, "bfloat16").name)
+  return list(dict.fromkeys(entries))
+
+
+def fp8_tiles_gemm(tiles: str):
+  """fp8_blockwise:mosaic at the tiles --fp8-tiles names (gmm.fp8_blockwise.MosaicKernels' arguments)."""
+  from MaxText.gmm import fp8_blockwise
+
+  block_n, stages, grid_n, wgrad_n, wgrad_stages = FP8_TILES.fullmatch(tiles).groups()
+  wgrad = {} if wgrad_n is None else {"block_n": int(wgrad_n), "max_concurrent_steps": int(wgrad_stages)}
+  kernels = fp8_blockwise.MosaicKernels(
+    block_n=int(block_n), max_concurrent_steps=int(stages), grid_block_n=int(grid_n), wgrad=wgrad
+  )
+  return fp8_blockwise.Fp8BlockwiseGemm(f"fp8_blockwise:mosaic[{tiles}]", kernels)
+
+
+def jax_peer_gemm():
+  """JAX's own Mosaic GPU kernels (ragged_dot_mgpu forward and dgrad, transposed_ragged_dot_mgpu wgrad) under
+  the same VJP and width padding as `mosaic`, at PEER_TILES: a peer row (gmm_profile.py's too)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+  from MaxText.gmm.base import KernelGemm
+  from MaxText.kernels.mosaic_tiles import PAD, TILE_NAMES
+  from MaxText.kernels.padding import pad_rows, pad_to
+
+  tiles = {kernel: dict(zip(TILE_NAMES, t)) for kernel, t in PEER_TILES.items()}
+
+  def fwd(x, w, sizes):
+    m, n = x.shape[0], w.shape[2]
+    xp, wp = pad_rows(pad_to(x, 1, PAD), tiles["fwd"]["block_m"]), pad_to(pad_to(w, 1, PAD), 2, PAD)
+    return ragged_dot_mgpu.ragged_dot(xp, wp, group_sizes=sizes.astype(jnp.int32), **tiles["fwd"])[:m, :n]
+
+  def dgrad(dy, w, sizes):
+    m, k = dy.shape[0], w.shape[1]
+    dyp, wp = pad_rows(pad_to(dy, 1, PAD), tiles["dgrad"]["block_m"]), pad_to(pad_to(w, 1, PAD), 2, PAD)
+    dx = ragged_dot_mgpu.ragged_dot(dyp, wp, group_sizes=sizes.astype(jnp.int32), transpose_rhs=True, **tiles["dgrad"])
+    return dx[:m, :k]
+
+  def wgrad(x, dy, sizes):
+    k, n = x.shape[1], dy.shape[1]
+    xp, dyp = pad_to(x, 1, PAD), pad_to(dy, 1, PAD)
+    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      xp, dyp, group_sizes=sizes.astype(jnp.int32), **tiles["wgrad"]
+    )
+    return dw[:, :k, :n]
+
+  return KernelGemm(PEER, fwd, dgrad, wgrad)
+
+
+def bf16_entries() -> list[str]:
+  """The unquantised registry entries, each a row of the benchmark (quantised ones come with --quant)."""
+  from MaxText import gmm
+
+  return [n for n, e in gmm.EXPERT_GEMMS.items() if not e.quantization]
+
+
+def runnable(name: str, device) -> str | None:
+  """Why registry entry `name` cannot run on `device` (a package missing, another GPU architecture), or None."""
+  from MaxText import gmm
+
+  if problem := gmm.unavailable(name) or gmm.not_runnable_on(name, device):
+    return problem
+  if gmm.EXPERT_GEMMS[name].hopper_only and device.platform != "gpu":
+    return f"{name} runs Hopper (sm_90) kernels; {device.platform} is no GPU"
+  return None
+
+
 def jax_rows(
   k: int, n: int, g: int, kind: str, iters: int, quant: tuple[str, ...] = (), fp8_tiles: tuple[str, ...] = ()
 ) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
-  from MaxText.moe import gmm as registry
+  from MaxText import gmm
 
+  device = jax.devices()[0]
   sizes_np, x, w, dy, sizes = jax_inputs(k, n, g, kind)
   flops = 2.0 * M * k * n
   rows = []
@@ -147,42 +259,30 @@ def jax_rows(
 
     return run
 
-  for name in ("xla", "mosaic", "tokamax", "te"):
-    if registry.available(name):
-      f = registry.get_gmm(name)
-      add(name, lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
-  if registry.available("mosaic"):
-    from MaxText.moe.gmm import mosaic
+  def add_gemm(label, f):
+    add(label, lambda x, w, dy: f(x, w, sizes), grad_fn(lambda x, w: f(x, w, sizes)), (x, w, dy))
 
-    # The kernel set the backend does not use by default, side by side ("mosaic:ours" / "mosaic:jax").
-    for kernels in mosaic.KERNELS:
-      if kernels != mosaic.DEFAULT_KERNELS:
-        f = mosaic.make_gmm(kernels)
-        add(
-          f"mosaic:{kernels}",
-          lambda x, w, dy, f=f: f(x, w, sizes),
-          grad_fn(lambda x, w, f=f: f(x, w, sizes)),
-          (x, w, dy),
-        )
-    # --quant: the quantised expert GEMMs (MaxText/quant/), quantisation passes included in the time.
-    from MaxText.quant import labelled_gmm
-
-    for q in quant:  # quant.labels(): NAME, fp8_blockwise:VARIANT, mxfp8:IMPL
-      f = labelled_gmm(q, jax.devices()[0])
-      add(f"mosaic+{q}", lambda x, w, dy, f=f: f(x, w, sizes), grad_fn(lambda x, w, f=f: f(x, w, sizes)), (x, w, dy))
-    from MaxText.quant import fp8_blockwise
-
-    for tiles in fp8_tiles:  # MxNxSTAGESxGRIDN; suffix "ws": warp-specialized, "wsb": and the weights' block scales
-      options = {"ws": {"warp_specialized": True}, "wsb": {"warp_specialized": True, "b_block_scales": True}}.get(
-        tiles.lstrip("0123456789x"), {}
-      )
-      f = fp8_blockwise.make_gmm(fp8_blockwise.MosaicKernels(*map(int, tiles.rstrip("wsb").split("x")), **options))
-      add(
-        f"mosaic+fp8_blockwise[{tiles}]",
-        lambda x, w, dy, f=f: f(x, w, sizes),
-        grad_fn(lambda x, w, f=f: f(x, w, sizes)),
-        (x, w, dy),
-      )
+  # Every unquantised registry entry that runs here; padded (equal-capacity groups) below, on its layout.
+  for name in bf16_entries():
+    if gmm.EXPERT_GEMMS[name].backend == "padded":
+      continue
+    if problem := runnable(name, device):
+      print(f"{name}: skipped ({problem})", flush=True)
+      continue
+    add_gemm(name, gmm.build(name))
+  if runnable("mosaic", device) is None:  # JAX's kernels run where ours do
+    add_gemm(PEER, jax_peer_gemm())
+  # --quant: the quantised expert GEMMs, quantisation passes included in the time.
+  for name in quant_entries(quant, device):
+    if problem := runnable(name, device):
+      print(f"{name}: skipped ({problem})", flush=True)
+      continue
+    add_gemm(name, gmm.build(name))
+  for tiles in fp8_tiles:
+    if problem := runnable("fp8_blockwise:mosaic", device):
+      print(f"--fp8-tiles {tiles}: skipped ({problem})", flush=True)
+      continue
+    add_gemm(f"fp8_blockwise:mosaic[{tiles}]", fp8_tiles_gemm(tiles))
 
   # Fixed capacity: every group padded to the largest group (rounded to 128 rows).
   cap = int(-(-sizes_np.max() // 128) * 128)
@@ -192,13 +292,17 @@ def jax_rows(
     index[e, : sizes_np[e]] = starts[e] + np.arange(sizes_np[e])
   index = jnp.asarray(index)
 
-  def padded(x, w):
-    xp = jnp.take(jnp.concatenate([x, jnp.zeros((1, k), x.dtype)]), index, axis=0)
-    return jnp.einsum("gck,gkn->gcn", xp, w, preferred_element_type=x.dtype)
+  for name in bf16_entries():
+    if gmm.EXPERT_GEMMS[name].backend != "padded" or runnable(name, device):
+      continue
+    f, cap_sizes = gmm.build(name), jnp.full((g,), cap, jnp.int32)
 
-  pad_factor = g * cap / M
-  dyp = jnp.zeros((g, cap, n), jnp.bfloat16)
-  add("padded", lambda x, w, dy: padded(x, w), grad_fn(padded), (x, w, dyp), extra={"pad_factor": pad_factor})
+    def padded(x, w, f=f, cap_sizes=cap_sizes):
+      xp = jnp.take(jnp.concatenate([x, jnp.zeros((1, k), x.dtype)]), index.reshape(-1), axis=0)
+      return f(xp, w, cap_sizes)
+
+    dyp = jnp.zeros((g * cap, n), jnp.bfloat16)
+    add(name, lambda x, w, dy, p=padded: p(x, w), grad_fn(padded), (x, w, dyp), extra={"pad_factor": g * cap / M})
 
   w0 = w[0]
   add("dense", lambda x, w, dy: x @ w, grad_fn(lambda x, w: x @ w), (x, w0, dy))
@@ -254,48 +358,49 @@ def torch_rows(k: int, n: int, g: int, kind: str, iters: int) -> list[dict]:
 
 
 # ---- tuning ----
-def tune(out_dir: Path, iters: int, kernels: str, groups: int) -> dict:
-  """Searches tiles for each kernel of `kernels` and width pair at `groups` balanced groups.
+def tune(out_dir: Path, iters: int, groups: int) -> dict:
+  """Searches tiles of the bf16 Mosaic kernels (kernels/mosaic_gmm.py) for each kernel and width pair at
+  `groups` balanced groups.
 
   Results merge into a copy of the current table under "<kernel>:<K>x<N>:g<groups>" keys (used by
-  mosaic.tiles_for for that group-count regime), written to out_dir/mosaic_tiles.json.
+  mosaic_tiles.tiles_for for that group-count regime), written to out_dir/mosaic_tiles.json, which the
+  benchmark then runs with.
   """
   import jax
   import jax.numpy as jnp
 
-  from MaxText.moe.gmm import mosaic
+  from MaxText.kernels import mosaic_gmm, mosaic_tiles
 
-  ragged, transposed = mosaic.KERNELS[kernels]()
   sizes = jnp.asarray(group_sizes(M, groups, "balanced"))
-  fwd_space = [(128, 128, 64, st, gb) for st, gb in itertools.product((4, 5, 6), (2, 4, 8, 16))]
-  wgrad_space = [(128, 128, bk, st, gb) for bk, st, gb in itertools.product((64, 128), (2, 3, 4), (1, 4, 8))]
-  if kernels in mosaic.WARP_SPECIALIZED:  # two consumer warpgroups share each tile: fewer, larger stages fit
-    fwd_space = [(128, 128, 64, st, gb) for st, gb in itertools.product((2, 3), (2, 4, 8, 16))]
-    wgrad_space = [
-      (bm, bn, 64, st, gb) for (bm, bn), st, gb in itertools.product(((128, 128), (64, 256)), (2, 3), (1, 4, 8))
-    ]
-  table = json.loads(mosaic.TILES_FILE.read_text()) if mosaic.TILES_FILE.exists() else {"tiles": {}}
+  # Two consumer warpgroups share each tile (block_n of fwd/dgrad, block_m of wgrad is each one's half): 2-3
+  # stages fit in shared memory.
+  fwd_space = [(128, 128, 64, st, gb) for st, gb in itertools.product((2, 3), (2, 4, 8, 16))]
+  wgrad_space = [
+    (bm, bn, 64, st, gb) for (bm, bn), st, gb in itertools.product(((128, 128), (64, 256)), (2, 3), (1, 4, 8))
+  ]
+  file = mosaic_tiles.TILES_FILE
+  table = json.loads(file.read_text()) if file.exists() else {"tiles": {}}
   measured = table.setdefault("tflops_by_tiles", {})
-  for (k, n), kernel in itertools.product(SHAPES.values(), ("fwd", "dgrad", "wgrad")):
+  for (k, n), kernel in itertools.product(SHAPES.values(), mosaic_tiles.KERNELS):
     # Widths as the kernel sees them: fwd contracts k into n; dgrad contracts n into k; wgrad (k, n).
-    name = mosaic.tile_kernel(kernels, kernel)
-    key = (f"{name}:{k}x{n}" if kernel != "dgrad" else f"{name}:{n}x{k}") + f":g{groups}"
+    key = (f"{kernel}:{k}x{n}" if kernel != "dgrad" else f"{kernel}:{n}x{k}") + f":g{groups}"
     x = jax.random.normal(jax.random.key(1), (M, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (groups, k, n), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(3), (M, n), jnp.bfloat16)
     results = {}
     for tiles in wgrad_space if kernel == "wgrad" else fwd_space:
-      kw = dict(zip(mosaic.TILE_NAMES, tiles))
-      out_width = n if kernel in ("fwd", "wgrad") else k
-      cta_n = kw["block_n"] * (2 if kernels in mosaic.WARP_SPECIALIZED and kernel != "wgrad" else 1)
-      if out_width % (cta_n * (kw["grid_block_n"] if kernel != "wgrad" else 1)):
+      kw = dict(zip(mosaic_tiles.TILE_NAMES, tiles))
+      if kernel == "wgrad":  # (2 * block_m, block_n) output tiles over (k, n)
+        if k % (2 * kw["block_m"]) or n % kw["block_n"]:
+          continue
+      elif (n if kernel == "fwd" else k) % (2 * kw["block_n"] * kw["grid_block_n"]):  # (block_m, 2 * block_n) tiles
         continue
       if kernel == "fwd":
-        fn, args = (lambda x, w, kw=kw: ragged(x, w, group_sizes=sizes, **kw)), (x, w)
+        fn, args = (lambda x, w, kw=kw: mosaic_gmm.ragged_dot(x, w, sizes, **kw)), (x, w)
       elif kernel == "dgrad":
-        fn, args = (lambda dy, w, kw=kw: ragged(dy, w, group_sizes=sizes, transpose_rhs=True, **kw)), (dy, w)
+        fn, args = (lambda dy, w, kw=kw: mosaic_gmm.ragged_dot(dy, w, sizes, transpose_rhs=True, **kw)), (dy, w)
       else:
-        fn, args = (lambda x, dy, kw=kw: transposed(x, dy, group_sizes=sizes, **kw)), (x, dy)
+        fn, args = (lambda x, dy, kw=kw: mosaic_gmm.ragged_wgrad(x, dy, sizes, **kw)), (x, dy)
       try:
         ms, _ = jax_time_ms(jax.jit(fn), args, iters)
         results[str(tiles)] = 2.0 * M * k * n / ms / 1e9
@@ -308,13 +413,10 @@ def tune(out_dir: Path, iters: int, kernels: str, groups: int) -> dict:
       print(f"tuned {key}: {table['tiles'][key]} at {valid[top]:.0f} TFLOP/s", flush=True)
     measured[key] = results
   table.update({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": M})
-  tuned = table.setdefault("kernels", {})  # which kernel sets hold tuned tiles, per group-count regime
-  before = tuned.get(f"g{groups}", [])
-  tuned[f"g{groups}"] = sorted({*([before] if isinstance(before, str) else before), kernels})
   path = out_dir / "mosaic_tiles.json"
   path.write_text(json.dumps(table, indent=1))
-  mosaic.TILES_FILE = path
-  mosaic.tuned_tiles.cache_clear()
+  mosaic_tiles.TILES_FILE = path  # the benchmark below runs with the tuned table
+  mosaic_tiles.tuned_tiles.cache_clear()
   return table
 
 
@@ -344,15 +446,30 @@ def machine() -> dict:
   return info
 
 
+def runs_on_mosaic(label: str) -> bool:
+  """Whether a row runs on our Mosaic kernels: a registry entry on moe_gmm_backend=mosaic (or an --fp8-tiles row)."""
+  from MaxText import gmm
+
+  entry = gmm.EXPERT_GEMMS.get(label.split("[")[0])
+  return entry is not None and entry.backend == "mosaic"
+
+
+def is_quantised(label: str) -> bool:
+  from MaxText import gmm
+
+  entry = gmm.EXPERT_GEMMS.get(label.split("[")[0])
+  return entry is not None and bool(entry.quantization)
+
+
 def markdown(results: dict) -> str:
   m = results["machine"]
-  leads = [b for b in results["backends"] if b.startswith("mosaic")]
+  leads = [b for b in results["backends"] if runs_on_mosaic(b)]
   others = ("torch._grouped_mm", "dense", "xla")
   ratio_names = [f"{lead}/{o.split('.')[-1]}" for lead in leads for o in others]
   lines = [
     f"# Grouped GEMM, M={M} rows, bf16 ({m['gpu']}; jax {m['jax']}, torch {m.get('torch')}, {m['date']})",
     "",
-    "TFLOP/s of useful work (padding counts as lost time). Ratios: each mosaic row over the named row.",
+    "TFLOP/s of useful work (padding counts as lost time). Ratios: each row on our Mosaic kernels over the named row.",
     "",
     "| shape | G | sizes | mode | " + " | ".join(results["backends"] + ratio_names) + " |",
     "|---" * (4 + len(results["backends"]) + len(ratio_names)) + "|",
@@ -361,17 +478,20 @@ def markdown(results: dict) -> str:
     for mode in ("fwd", "fwd+bwd"):
       by = {r["backend"]: r for r in case["rows"] if r["mode"] == mode}
       cells = [f"{by[b]['tflops']:.0f}" if "tflops" in by.get(b, {}) else "-" for b in results["backends"]]
-      ratio = lambda a, b: (
-        f"{by[a]['tflops'] / by[b]['tflops']:.2f}" if "tflops" in by.get(a, {}) and "tflops" in by.get(b, {}) else "-"
-      )  # noqa: E731
+
+      def ratio(a, b, by=by):
+        if "tflops" in by.get(a, {}) and "tflops" in by.get(b, {}):
+          return f"{by[a]['tflops'] / by[b]['tflops']:.2f}"
+        return "-"
+
       cells += [ratio(lead, o) for lead in leads for o in others]
       lines.append(f"| {case['shape']} | {case['groups']} | {case['sizes']} | {mode} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
 def quant_summary(results: dict) -> str:
-  """--quant rows against bf16 mosaic, fwd+bwd (issue 7's target: fp8_blockwise >= 1.4x)."""
-  quant = [b for b in results["backends"] if b.startswith("mosaic+")]
+  """Quantised rows (--quant, --fp8-tiles) against bf16 mosaic (issue 7's target: fp8_blockwise >= 1.4x fwd+bwd)."""
+  quant = [b for b in results["backends"] if is_quantised(b)]
   if not quant:
     return ""
   lines = [
@@ -424,7 +544,6 @@ def main() -> int:
   ap.add_argument(
     "--tune-groups", type=int, default=8, help="group count the tiles are tuned at (stored as a :g<N> regime)"
   )
-  ap.add_argument("--tune-kernels", default=None, help="Mosaic kernel set to tune (default: the backend's default)")
   ap.add_argument("--tune-only", action="store_true", help="tune, write the table, skip the benchmark")
   ap.add_argument("--quick", action="store_true", help="G=8 balanced and G=32 skewed only")
   ap.add_argument(
@@ -435,12 +554,14 @@ def main() -> int:
   ap.add_argument(
     "--quant",
     default="",
-    help="comma-separated quantizations to add as mosaic+<q> rows: fp8_blockwise, fp8_blockwise:VARIANT (a Mosaic kernel variant), mxfp8, mxfp8:IMPL (an mxfp8_impl)",
+    help="comma-separated quantised expert GEMMs to add as rows: registry names (mxfp8:mosaic, mxfp8:block_scaled, "
+    "fp8_blockwise:mosaic, ...), a bare quantization (what it runs here with moe_gmm_backend=auto), or all",
   )
   ap.add_argument(
     "--fp8-tiles",
     default="",
-    help="extra fp8_blockwise kernel tiles to time, comma-separated MxNxSTAGESxGRIDN[ws|wsb], e.g. 64x128x6x4,128x128x4x4ws,128x128x4x4wsb (ws: warp-specialized; wsb: and one weight scale per tile and K step)",
+    help="fp8_blockwise:mosaic tiles to time too, comma-separated BLOCK_NxSTAGESxGRID_N[wBLOCK_NxSTAGES] "
+    "(forward/dgrad kernels, then optionally the wgrad kernel's; block_m 128), e.g. 256x3x4,128x4x4w128x3",
   )
   args = ap.parse_args()
   if args.plot:
@@ -449,25 +570,24 @@ def main() -> int:
   cases = [(8, "balanced"), (32, "skewed")] if args.quick else CASES
   if args.cases:
     cases = parse_cases(ap, args.cases)
-  from MaxText import quant as quant_registry
-
-  if bad := [q for q in args.quant.split(",") if q and q not in quant_registry.labels()]:
-    ap.error(f"--quant {','.join(bad)}: choose from {', '.join(quant_registry.labels())}")
-  if bad := [t for t in args.fp8_tiles.split(",") if t and not re.fullmatch(r"\d+x\d+x\d+x\d+(ws|wsb)?", t)]:
+  quant = check_quant(ap, args.quant)
+  tiles = tuple(t for t in args.fp8_tiles.split(",") if t)
+  if bad := [t for t in tiles if not FP8_TILES.fullmatch(t)]:
     ap.error(
-      f"--fp8-tiles {','.join(bad)}: each is MxNxSTAGESxGRIDN with an optional ws or wsb suffix, e.g. 128x128x4x4ws"
+      f"--fp8-tiles {','.join(bad)}: each is BLOCK_NxSTAGESxGRID_N, optionally followed by wBLOCK_NxSTAGES for the "
+      "wgrad kernel, e.g. 256x3x4 or 256x3x4w128x4 (block_m is 128; the kernels are always warp-specialized with "
+      "the weights' block scales)"
     )
+  if not args.out:
+    ap.error("--out is required (or --plot)")
   args.out.mkdir(parents=True, exist_ok=True)
   results = {"machine": machine(), "rows_M": M}
   if args.tune:
-    from MaxText.moe.gmm import mosaic
-
-    results["tuning"] = tune(args.out, 5, args.tune_kernels or mosaic.DEFAULT_KERNELS, args.tune_groups)["tiles"]
+    results["tuning"] = tune(args.out, 5, args.tune_groups)["tiles"]
     if args.tune_only:
       return 0
   results["cases"] = []
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
-    quant, tiles = (tuple(v for v in a.split(",") if v) for a in (args.quant, args.fp8_tiles))
     rows = jax_rows(k, n, g, kind, args.iters, quant, tiles) + torch_rows(k, n, g, kind, args.iters)
     results["cases"].append({"shape": shape, "k": k, "n": n, "groups": g, "sizes": kind, "rows": rows})
     (args.out / "grouped_gemm.json").write_text(json.dumps({**results, "backends": []}, indent=1))

@@ -5,8 +5,8 @@
 
 Shapes: hidden 7168 bf16, 256 experts (256/N per GPU), top-8, 4096 and 8192 tokens per GPU. Routing:
 `balanced` (each token draws 8 distinct experts uniformly) and `skewed` (expert popularity from
-Dirichlet(0.3), seed 0, 8 distinct experts per token drawn by Gumbel top-k). For each backend
-(ragged_a2a, dense_a2a, allgather, te where it can run) with dedup off and on:
+Dirichlet(0.3), seed 0, 8 distinct experts per token drawn by Gumbel top-k). For each expert-parallel
+backend of MaxText/moe/ep/ (ragged_a2a, dense_a2a, allgather, ...; where it can run) with dedup off and on:
 
   dispatch / combine ms   median over --iters of the jitted step alone, after warm-up (host wall
                           time around block_until_ready: collectives include their waiting)
@@ -21,7 +21,8 @@ Before timing, each backend's dispatch -> "experts" (row * (expert id + 1)) -> c
 against a float32 host reference of the same routing (bf16 tolerance): a wrong offset, a lost or
 doubled copy fails the row (`check` in the JSON), and nothing else of that row is reported as good.
 Then the whole MoE layer (router, shared expert, dispatch, grouped GEMMs, combine) forward+backward
-with EP=N for each backend (dedup off/on), from MaxText/moe/layer.py with `--gmm` (default auto).
+with EP=N for each backend (dedup off/on), from MaxText/moe/layer.py with `--gmm` (a moe_gmm_backend of
+MaxText/gmm/; default auto, decided for the device).
 Writes DIR/moe_dispatch.json and DIR/moe_dispatch.md (with `nvidia-smi topo -m`).
 On one GPU (EP=1) every "collective" stays on the GPU: the rows record the local permute costs.
 """
@@ -42,7 +43,13 @@ sys.path.insert(0, str(REPO))
 
 FULL = {"hidden": 7168, "experts": 256, "k": 8, "tokens": (4096, 8192), "moe_mlp": 2048, "dtype": "bfloat16"}
 DRY = {"hidden": 64, "experts": 32, "k": 4, "tokens": (32,), "moe_mlp": 32, "dtype": "float32"}
-BACKENDS = ("ragged_a2a", "dense_a2a", "allgather", "te")
+
+
+def ep_backends() -> tuple[str, ...]:
+  """The expert-parallel dispatch backends (moe_dispatch values), as MaxText/moe/ep/ registers them."""
+  from MaxText.moe import ep
+
+  return tuple(ep.BACKENDS)
 
 
 def routing(kind: str, tokens: int, experts: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +123,7 @@ def transport_rows(shape: dict, tokens: int, kind: str, iters: int, ceiling) -> 
   dup_remote, dup_all = duplicate_fraction(ids_np, ranks, local)
   row_bytes = d * dtype.itemsize
   rows = []
-  for backend in BACKENDS:
+  for backend in ep_backends():
     for dedup in (False, True):
       row = {
         "backend": backend,
@@ -128,9 +135,8 @@ def transport_rows(shape: dict, tokens: int, kind: str, iters: int, ceiling) -> 
         "duplicate_fraction_all": dup_all,
       }
       rows.append(row)
-      problem = ep.unavailable(backend)
-      if problem or (backend == "ragged_a2a" and devices[0].platform == "cpu"):
-        row["skipped"] = problem or "XLA:CPU has no ragged all-to-all"
+      if problem := ep.unavailable(backend, devices[0].platform):
+        row["skipped"] = problem
         print(row, flush=True)
         break
       try:
@@ -244,15 +250,16 @@ def layer_rows(shape: dict, tokens: int, iters: int, gmm: str) -> list[dict]:
 
   from MaxText import params
   from MaxText.config import load_config
+  from MaxText import gmm as registry
   from MaxText.moe import ep
-  from MaxText.moe import gmm as gmm_registry
   from MaxText.moe.layer import moe, moe_specs
   from MaxText.sharding import Sharder, make_mesh, param_shardings
 
   devices = jax.devices()
-  backend_gmm, why = gmm_registry.resolve(gmm, devices[0], shape["dtype"])
+  resolved = registry.resolve("", gmm, "auto", devices[0], shape["dtype"])
+  backend_gmm, why = resolved.backend, resolved.why
   rows = []
-  for backend in ("sort", *BACKENDS):
+  for backend in ("sort", *ep_backends()):
     for dedup in (False, True):
       row = {
         "backend": backend,
@@ -268,9 +275,8 @@ def layer_rows(shape: dict, tokens: int, iters: int, gmm: str) -> list[dict]:
         break
       if backend == "sort" and dedup:
         break
-      problem = ep.unavailable(backend) if ep.is_ep(backend) else None
-      if problem or (backend == "ragged_a2a" and devices[0].platform == "cpu"):
-        row["skipped"] = problem or "XLA:CPU has no ragged all-to-all"
+      if problem := ep.unavailable(backend, devices[0].platform) if ep.is_ep(backend) else None:
+        row["skipped"] = problem
         break
       try:
         cfg = load_config(
@@ -355,11 +361,12 @@ def markdown(results: dict) -> str:
   lines = [
     f"# Expert-parallel dispatch/combine, EP={m['devices']} ({m['device']}; jax {m['jax']}, {m['date']})",
     "",
-    f"hidden {results['shape']['hidden']} {results['shape']['dtype']}, {results['shape']['experts']} experts, top-{results['shape']['k']}, "
-    f"moe_ep_buffer_factor={results['buffer_factor']}. Bytes per GPU sent to other GPUs; GB/s = wire bytes / median time; "
-    "'of ceiling' = a plain all_to_all of the same bytes / this.",
+    f"hidden {results['shape']['hidden']} {results['shape']['dtype']}, {results['shape']['experts']} experts, "
+    f"top-{results['shape']['k']}, moe_ep_buffer_factor={results['buffer_factor']}. Bytes per GPU sent to other GPUs; "
+    "GB/s = wire bytes / median time; 'of ceiling' = a plain all_to_all of the same bytes / this.",
     "",
-    "| tokens/GPU | routing | backend | dedup | check | dispatch ms | combine ms | dispatch MB | combine MB | payload MB | dedup saves | dup fraction | dispatch GB/s (of ceiling) | combine GB/s (of ceiling) |",
+    "| tokens/GPU | routing | backend | dedup | check | dispatch ms | combine ms | dispatch MB | combine MB "
+    "| payload MB | dedup saves | dup fraction | dispatch GB/s (of ceiling) | combine GB/s (of ceiling) |",
     "|---" * 15 + "|",
   ]
   for r in results["transport"]:
@@ -369,10 +376,12 @@ def markdown(results: dict) -> str:
       )
       continue
     lines.append(
-      f"| {r['tokens_per_gpu']} | {r['routing']} | {r['backend']} | {r['dedup']} | {r['check']} | {r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} | "
-      f"{r['dispatch_bytes_per_gpu'] / 1e6:.1f} | {r['combine_bytes_per_gpu'] / 1e6:.1f} | {r['payload_bytes_per_gpu'] / 1e6:.1f} | "
+      f"| {r['tokens_per_gpu']} | {r['routing']} | {r['backend']} | {r['dedup']} | {r['check']} "
+      f"| {r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} | {r['dispatch_bytes_per_gpu'] / 1e6:.1f} "
+      f"| {r['combine_bytes_per_gpu'] / 1e6:.1f} | {r['payload_bytes_per_gpu'] / 1e6:.1f} | "
       f"{100 * r['dedup_byte_reduction']:.1f}% | {100 * r['duplicate_fraction_remote']:.1f}% | "
-      f"{r['dispatch_GBps']:.1f} ({fmt(r['dispatch_of_ceiling'])}) | {r['combine_GBps']:.1f} ({fmt(r['combine_of_ceiling'])}) |"
+      f"{r['dispatch_GBps']:.1f} ({fmt(r['dispatch_of_ceiling'])}) "
+      f"| {r['combine_GBps']:.1f} ({fmt(r['combine_of_ceiling'])}) |"
     )
   lines += [
     "",
@@ -383,7 +392,8 @@ def markdown(results: dict) -> str:
   ]
   for r in results["layer"]:
     lines.append(
-      f"| {r['tokens_per_gpu']} | {r['backend']} | {r['dedup']} | {r['gmm']} | {fmt(r.get('fwd_bwd_ms'), '{:.2f}') if 'fwd_bwd_ms' in r else why(r)} | {r.get('overflow', '-')} |"
+      f"| {r['tokens_per_gpu']} | {r['backend']} | {r['dedup']} | {r['gmm']} "
+      f"| {fmt(r.get('fwd_bwd_ms'), '{:.2f}') if 'fwd_bwd_ms' in r else why(r)} | {r.get('overflow', '-')} |"
     )
   lines += ["", "## GPU topology (nvidia-smi topo -m)", "", "```", str(m.get("topology")), "```"]
   return "\n".join(lines) + "\n"
@@ -405,7 +415,7 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--buffer-factor", type=float, default=-1.0, help="moe_ep_buffer_factor for every backend (-1: worst case)"
   )
-  ap.add_argument("--gmm", default="auto", help="moe_gmm_backend of the layer rows")
+  ap.add_argument("--gmm", default="auto", help="moe_gmm_backend of the layer rows (MaxText/gmm/; auto: decided here)")
   ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer forward+backward rows")
   args = ap.parse_args(argv)
   if args.cpu_dry_run:
@@ -413,6 +423,10 @@ def main(argv=None) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"
   import jax.numpy as jnp
 
+  from MaxText import gmm
+
+  if args.gmm not in gmm.backends():
+    ap.error(f"--gmm {args.gmm}: choose a moe_gmm_backend: {', '.join(gmm.backends())}")
   BUFFER_FACTOR = args.buffer_factor
   shape = dict(DRY if args.cpu_dry_run else FULL)
   if args.tokens:

@@ -1,14 +1,15 @@
 """One MoE layer at DeepSeek-V3 widths on one GPU: where the time goes, stage by stage, from device time.
 
-  python3 benchmarks/moe_layer.py --out DIR [--backend mosaic|xla] [--compare-xla] [--pad 128] [--iters 20]
+  python3 benchmarks/moe_layer.py --out DIR [--backend MOE_GMM_BACKEND] [--compare-xla] [--pad 128] [--iters 20]
   python3 benchmarks/moe_layer.py --out DIR --small      # CPU dry run: tiny shapes, xla backend (CI)
 
 The layer: hidden 7168, expert MLP 2048, 32 routed experts (the local experts of one EP rank of
 DeepSeek-V3), 8192 tokens, top-8 with group-limited routing (8 groups, top 4), 1 shared expert,
-bf16, dropless sort dispatch (MaxText/moe/permute.py), grouped GEMMs by `--backend` (mosaic by
-default). Forward and forward+backward (gradients of every parameter and of x), split into the
-layer's named scopes: router, permute, gmm (the expert GEMMs and the SwiGLU between them), combine
-(unpermute and weighted sum), shared_experts; "other" is whatever lies outside them.
+bf16, dropless sort dispatch (MaxText/moe/permute.py), grouped GEMMs by `--backend` (a moe_gmm_backend
+of the expert-GEMM registry, MaxText/gmm/; auto decided for the device; mosaic by default). Forward and
+forward+backward (gradients of every parameter and of x), split into the layer's named scopes: router,
+permute, gmm (the expert GEMMs and the SwiGLU between them), combine (unpermute and weighted sum),
+shared_experts; "other" is whatever lies outside them.
 
 Two measurements, both device time, after warm-up, medians over iterations:
   trace   jax.profiler.trace of the whole jitted layer; every device kernel event carries the HLO
@@ -46,12 +47,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText import params, profile  # noqa: E402
+from MaxText import gmm, params, profile  # noqa: E402
 from MaxText.config import load_config  # noqa: E402
 from MaxText.layers.mlp import mlp  # noqa: E402
 from MaxText.moe import permute, router  # noqa: E402
-from MaxText.moe.gmm import get_gmm  # noqa: E402
-from MaxText.moe.layer import moe, moe_specs, routed_experts  # noqa: E402
+from MaxText.moe.layer import expert_gemm, moe, moe_specs, routed_experts  # noqa: E402
 from MaxText.sharding import Sharder  # noqa: E402
 from grouped_gemm import jax_time_ms  # noqa: E402
 
@@ -64,8 +64,7 @@ SMALL = dict(hidden=64, mlp=32, experts=8, tokens=64, k=2, groups=4, topk_groups
 
 # ---- the layer ----
 def make_config(shape: dict, backend: str, pad: int):
-  """`backend`: a moe_gmm_backend, or mosaic:<moe_mosaic_kernels> (e.g. mosaic:ours_ws)."""
-  name, _, kernels = backend.partition(":")
+  """`backend`: a moe_gmm_backend (auto decided already)."""
   return load_config(
     None,
     [
@@ -76,10 +75,9 @@ def make_config(shape: dict, backend: str, pad: int):
       "routed_scaling_factor=2.5",
       f"n_routing_groups={shape['groups']}",
       f"topk_routing_group={shape['topk_groups']}",
-      f"moe_gmm_backend={name}",
+      f"moe_gmm_backend={backend}",
       f"moe_group_pad_multiple={pad}",
       "dtype=bfloat16",
-      *([f"moe_mosaic_kernels={kernels}"] if kernels else []),
     ],
   ).moe
 
@@ -215,7 +213,7 @@ def trace_breakdown(compiled, args, iters: int) -> dict:
 # ---- timing: each stage as its own jitted function ----
 def stage_fns(cfg, p, x, bias) -> dict:
   """{stage: (fwd, fwd_bwd, args)} on the inputs the layer itself would give each stage."""
-  gmm = get_gmm(cfg.moe_gmm_backend, cfg.moe_mosaic_kernels)
+  gemm = expert_gemm(cfg)
   experts = {k: p[k] for k in ("wi_0", "wi_1", "wo")}
 
   @jax.jit
@@ -224,7 +222,7 @@ def stage_fns(cfg, p, x, bias) -> dict:
     r = router.route(tokens, p["gate"], bias, cfg)
     plan = permute.plan(r.expert_ids, cfg.num_experts, cfg.moe_group_pad_multiple)
     rows = permute.permute(tokens, plan)
-    return tokens, r, plan, rows, routed_experts({k: p[k] for k in experts}, rows, plan.group_sizes, gmm)
+    return tokens, r, plan, rows, routed_experts({k: p[k] for k in experts}, rows, plan.group_sizes, gemm)
 
   tokens, r, plan, rows, y = intermediates(p, x, bias)
 
@@ -236,10 +234,11 @@ def stage_fns(cfg, p, x, bias) -> dict:
     return run
 
   route = lambda tokens, gate: router.route(tokens, gate, bias, cfg).weights  # noqa: E731
-  plan_and_permute = lambda tokens, ids: permute.permute(
-    tokens, permute.plan(ids, cfg.num_experts, cfg.moe_group_pad_multiple)
-  )  # noqa: E731
-  experts_fn = lambda rows, w, sizes: routed_experts(w, rows, sizes, gmm)  # noqa: E731
+
+  def plan_and_permute(tokens, ids):
+    return permute.permute(tokens, permute.plan(ids, cfg.num_experts, cfg.moe_group_pad_multiple))
+
+  experts_fn = lambda rows, w, sizes: routed_experts(w, rows, sizes, gemm)  # noqa: E731
   combine = lambda y, weights, plan: permute.unpermute(y, weights, plan)  # noqa: E731
   shared = lambda x, w: mlp(w, x, Sharder())  # noqa: E731
   return {
@@ -313,11 +312,14 @@ def machine() -> dict:
 def markdown(results: dict) -> str:
   m, s = results["machine"], results["shape"]
   lines = [
-    f"# One MoE layer, {s['tokens']} tokens, hidden {s['hidden']}, expert MLP {s['mlp']}, {s['experts']} experts top-{s['k']}, 1 shared ({m.get('gpu') or m['device']}; jax {m['jax']}, {m['date']})",
+    f"# One MoE layer, {s['tokens']} tokens, hidden {s['hidden']}, expert MLP {s['mlp']}, {s['experts']} experts "
+    f"top-{s['k']}, 1 shared ({m.get('gpu') or m['device']}; jax {m['jax']}, {m['date']})",
     "",
-    "Device time per step in ms, median over iterations, by named scope (from a profiler trace of the whole jitted layer).",
+    "Device time per step in ms, median over iterations, by named scope (from a profiler trace of the whole "
+    "jitted layer).",
     "",
-    "| backend | pad | mode | router | permute | gmm | combine | shared_experts | other | layer | layer / gmm | target 1.25 |",
+    "| backend | pad | mode | router | permute | gmm | combine | shared_experts | other | layer | layer / gmm "
+    "| target 1.25 |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for run in results["runs"]:
@@ -352,7 +354,8 @@ def markdown(results: dict) -> str:
   lines += ["", "Correctness against float32 (max relative Frobenius error over output and gradients):", ""]
   for c in results["checks"]:
     lines.append(
-      f"- {c['backend']}, pad {c['pad']}, {c['tokens']} tokens: {'ok' if c['ok'] else 'FAILED'}, {max(c['rel_errors'].values()):.2e} (bound {c['bound']})"
+      f"- {c['backend']}, pad {c['pad']}, {c['tokens']} tokens: {'ok' if c['ok'] else 'FAILED'}, "
+      f"{max(c['rel_errors'].values()):.2e} (bound {c['bound']})"
     )
   return "\n".join(lines) + "\n"
 
@@ -371,7 +374,12 @@ def guarded(fn, partial: dict, strict: bool) -> dict:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True)
-  ap.add_argument("--backend", default="mosaic", help="mosaic, mosaic:<kernel set> (ours, ours_ws, jax) or xla")
+  ap.add_argument(
+    "--backend",
+    default="mosaic",
+    choices=gmm.backends(),
+    help="moe_gmm_backend of the expert GEMMs (auto: decided for this device)",
+  )
   ap.add_argument("--compare-xla", action="store_true", help="also run the xla grouped GEMM")
   ap.add_argument("--pad", type=int, nargs="+", default=[0, 128], help="moe_group_pad_multiple values to run")
   ap.add_argument("--iters", type=int, default=20)
@@ -382,7 +390,13 @@ def main() -> int:
   )
   args = ap.parse_args()
   shape = SMALL if args.small else FULL
-  backends = ["xla"] if args.small else [args.backend] + (["xla"] if args.compare_xla and args.backend != "xla" else [])
+  backend = gmm.resolve_backend(args.backend, jax.devices()[0], "bfloat16")[0]
+  backends = ["xla"] if args.small else [backend] + (["xla"] if args.compare_xla and backend != "xla" else [])
+  for b in backends:  # a backend the sort dispatch cannot run (padded) is a usage error, before anything runs
+    try:
+      make_config(shape, b, 0)
+    except Exception as e:
+      ap.error(f"--backend {b}: {e}")
   pads = [0, 4] if args.small else args.pad
   iters = 2 if args.small else args.iters
   args.out.mkdir(parents=True, exist_ok=True)

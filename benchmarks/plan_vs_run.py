@@ -112,7 +112,8 @@ def main() -> int:
       else None
     )
     lines.append(
-      f"| {r['recipe']} | {fmt(r.get('planned_peak_gib'), '.1f')} | {fmt(r.get('measured_peak_gib'), '.1f')} | {fmt(ratio, '.2f')} "
+      f"| {r['recipe']} | {fmt(r.get('planned_peak_gib'), '.1f')} | {fmt(r.get('measured_peak_gib'), '.1f')} "
+      f"| {fmt(ratio, '.2f')} "
       f"| {fmt(r.get('lower_bound_step_s'), '.3f')} | {fmt(r.get('median_step_time_s'), '.3f')} |"
     )
   (out / "plan_vs_run.md").write_text("\n".join(lines) + "\n")

@@ -1,6 +1,6 @@
 """Remat and host activation offload on one GPU: peak device memory, step time, and whether the copies overlap.
 
-  python3 benchmarks/remat_offload.py --out DIR                  # the 1-GPU proxy, mosaic grouped GEMM (~5 min on an H200)
+  python3 benchmarks/remat_offload.py --out DIR  # the 1-GPU proxy, mosaic grouped GEMM (~5 min on an H200)
   python3 benchmarks/remat_offload.py --out DIR --small          # the tiny model on CPU: checks the script end to end
 
 Variants, each in its own process (peak memory is per process), on recipes/deepseek_v3_proxy_1gpu/optimized.yml:
@@ -274,7 +274,8 @@ def markdown(results: dict) -> str:
     "",
     f"machine: {results['machine']}",
     "",
-    "| variant | median step | peak device memory | device temp (compiled) | host temp (compiled) | losses match the reference |",
+    "| variant | median step | peak device memory | device temp (compiled) | host temp (compiled) "
+    "| losses match the reference |",
     "|---|---|---|---|---|---|",
   ]
   for name, r in results["variants"].items():

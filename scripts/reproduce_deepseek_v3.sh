@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The DeepSeek-V3 procedure, end to end (README: "Reproducing DeepSeek-V3"):
+# The DeepSeek-V3 procedure, end to end (docs/deepseek_v3_671b.md):
 #
 #   1. environment   python -m MaxText.doctor: GPU, driver, jax/TE, NCCL, usable MoE backends
 #   2. container     SLURM only: build it and import it as an enroot squashfs (or use CONTAINER_IMAGE)
@@ -105,5 +105,5 @@ run directory: $OUT/$RUN_NAME/
   tensorboard/    tensorboard --logdir $OUT/$RUN_NAME/tensorboard
   checkpoints/    every checkpoint_period steps and on SIGTERM; the same command resumes
 expect: step time above the plan's lower bound ($PLAN: lower_bound_step_s); the measured 1-GPU proxy
-numbers (tokens/s and model TFLOP/s per GPU, baseline vs optimized) are in README.md, "Measured on one H200".
+numbers (tokens/s and model TFLOP/s per GPU, baseline vs optimized) are in docs/performance.md.
 MSG

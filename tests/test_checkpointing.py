@@ -125,7 +125,10 @@ def test_incompatible_config_names_the_keys_that_differ(tiny_config, tmp_path):
     check("base_emb_dim=32")
   assert "is from an incompatible config: its train state does not match (params/" in str(e.value)
   assert "keys that differ: base_emb_dim (checkpoint 64, now 32)" in str(e.value) and "\n" not in str(e.value)
-  differ = r"the data stream differs in data_shuffle_seed \(checkpoint 0, now 5\), per_device_batch_size \(checkpoint 1, now 2\)"
+  differ = (
+    r"the data stream differs in data_shuffle_seed \(checkpoint 0, now 5\), "
+    r"per_device_batch_size \(checkpoint 1, now 2\)"
+  )
   with pytest.raises(UserError, match=differ):
     check("data_shuffle_seed=5", "per_device_batch_size=2")
   with pytest.raises(UserError, match=r"keys that differ: num_experts \(checkpoint 8, now 16\)"):

@@ -16,8 +16,8 @@ from conftest import REPO, TINY_RECIPE
 
 
 def test_base_yml_has_every_key_with_a_comment():
-  lines = [l for l in BASE_YML.read_text().splitlines() if l and not l.startswith("#")]
-  keys = {l.split(":")[0] for l in lines}
+  lines = [line for line in BASE_YML.read_text().splitlines() if line and not line.startswith("#")]
+  keys = {line.split(":")[0] for line in lines}
   assert keys == set(key_index())
   for line in lines:
     assert re.search(r"\s#\s\S", line), f"base.yml key without a one-line comment: {line}"

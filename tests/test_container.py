@@ -54,7 +54,7 @@ def dockerfile():
 @pytest.fixture(scope="module")
 def ignore_patterns():
   lines = (REPO / ".dockerignore").read_text().splitlines()
-  return [l.strip() for l in lines if l.strip() and not l.startswith("#")]
+  return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
 def pip_installs(dockerfile) -> list[list[str]]:

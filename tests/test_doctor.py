@@ -54,12 +54,12 @@ def test_unknown_argument_is_one_error_line_and_exit_2():
 def test_missing_optional_package_is_missing_but_not_required(monkeypatch):
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(
-    importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real_find_spec(name, *a)
+    importlib.util, "find_spec", lambda name, *a: None if name == "tokamax" else real_find_spec(name, *a)
   )
   checks = {c.name: c for c in doctor.collect()}
-  te = checks["transformer_engine"]
-  assert te.status == "missing" and not te.required
-  assert "moe_gmm_backend=te" in te.detail
+  tokamax = checks["tokamax"]
+  assert tokamax.status == "missing" and not tokamax.required
+  assert "moe_gmm_backend=tokamax" in tokamax.detail
   assert doctor.usable(list(checks.values()))
 
 
@@ -79,7 +79,7 @@ def test_hopper_only_when_every_gpu_is_sm_90():
 
 
 def test_quantization_line_says_what_runs_on_these_gpus(monkeypatch):
-  from MaxText.moe import gmm
+  from MaxText import gmm
 
   class Gpu:
     platform = "gpu"
@@ -87,7 +87,7 @@ def test_quantization_line_says_what_runs_on_these_gpus(monkeypatch):
     def __init__(self, capability):
       self.compute_capability = capability
 
-  monkeypatch.setattr(gmm, "available", lambda name: True)  # as with a jax that has Pallas Mosaic GPU
+  monkeypatch.setattr(gmm, "unavailable", lambda name: None)  # as with a jax that has Pallas Mosaic GPU
   blackwell = doctor.check_quantization([Gpu("10.0")] * 8)
   assert "mxfp8_impl=auto -> block_scaled" in blackwell.detail and "fp8 kernels need sm_90" in blackwell.detail
   hopper = doctor.check_quantization([Gpu("9.0")] * 8)

@@ -21,6 +21,18 @@ STEPS = 24
 PERIOD = 4
 
 
+def child_env(d):
+  """A trainer subprocess's whole environment: CPU, this checkout, a compilation cache under `d`."""
+  return {
+    "PATH": "/usr/bin:/bin",
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": str(REPO),
+    "JAX_COMPILATION_CACHE_DIR": str(d / "jax-cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   d = tmp_path_factory.mktemp("faults")
@@ -29,14 +41,7 @@ def env(tmp_path_factory):
     "dir": d,
     "data": str(build.write_jsonl(d / "docs.jsonl", docs)),
     "tokenizer": str(build.word_tokenizer(d / "tokenizer.json", docs)),
-    "vars": {
-      "PATH": "/usr/bin:/bin",
-      "JAX_PLATFORMS": "cpu",
-      "PYTHONPATH": str(REPO),
-      "JAX_COMPILATION_CACHE_DIR": str(d / "jax-cache"),
-      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    },
+    "vars": child_env(d),
   }
 
 

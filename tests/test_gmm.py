@@ -1,19 +1,23 @@
 """Grouped GEMM backends on CPU: the VJP rule against jax.grad of ragged_dot, padded, registry, auto, tiles."""
 
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.moe import gmm
-from MaxText.moe.gmm import mosaic, padded, vjp
+from MaxText import gmm
+from MaxText.gmm import padded, vjp
 from MaxText.moe.layer import moe, moe_specs
 from MaxText import params
 from MaxText.sharding import Sharder
+
+REPO = Path(__file__).resolve().parents[1]
 
 SIZES = {
   "balanced": [8, 8, 8, 8],
@@ -69,42 +73,63 @@ def test_moe_layer_with_padded_backend_equals_xla(tiny_config):
 
 
 def test_registry_and_clear_errors(tiny_config):
-  assert set(gmm.CHOICES) == {"xla", "padded", "mosaic", "tokamax", "te", "auto"}
-  with pytest.raises(
-    ValueError, match="unknown moe_gmm_backend 'cutlass'; choose one of: xla, padded, mosaic, tokamax, te, auto"
-  ):
-    gmm.get_gmm("cutlass")
-  for name in ("te", "tokamax"):
-    if not gmm.available(name):
-      with pytest.raises(RuntimeError, match=f"moe_gmm_backend={name} needs .* not installed; pip install"):
-        gmm.get_gmm(name)
   from MaxText.errors import UserError
 
+  assert gmm.backends() == ("xla", "padded", "mosaic", "tokamax", "auto")
+  assert gmm.quantizations() == ("", "mxfp8", "fp8_blockwise")
+  with pytest.raises(
+    ValueError, match="unknown expert GEMM 'cutlass'; choose one of: xla, padded, mosaic, tokamax, mxfp8:xla"
+  ):
+    gmm.build("cutlass")
+  if gmm.unavailable("tokamax"):
+    with pytest.raises(RuntimeError, match="tokamax needs tokamax, which is not installed; pip install tokamax"):
+      gmm.build("tokamax")
+  with pytest.raises(UserError, match="moe_gmm_backend='cutlass' .* choose one of: xla, padded, mosaic, tokamax, auto"):
+    tiny_config("moe_gmm_backend=cutlass")
+  with pytest.raises(UserError, match='quantization=.int4. .* choose one of: "" .off., mxfp8, fp8_blockwise'):
+    tiny_config("quantization=int4")
   with pytest.raises(UserError, match="padded runs equal-capacity groups; set moe_dispatch=capacity"):
     tiny_config("moe_gmm_backend=padded")
   with pytest.raises(UserError, match="mosaic runs bf16/fp16 tensor-core kernels; set dtype=bfloat16"):
     tiny_config("moe_gmm_backend=mosaic")
   with pytest.raises(TypeError, match="set dtype=bfloat16"):
-    mosaic._fwd(jnp.ones((8, 128)), jnp.ones((2, 128, 128)), jnp.array([4, 4]))
-  # moe_mosaic_kernels picks mosaic's kernel set, for the bf16 and the quantised GEMMs alike
-  with pytest.raises(UserError, match="moe_mosaic_kernels"):
-    tiny_config("moe_mosaic_kernels=ours_wss")
-  assert tiny_config("moe_mosaic_kernels=ours").moe.moe_mosaic_kernels == "ours"
-  assert gmm.get_gmm("mosaic", "ours") is mosaic.make_gmm("ours") is not mosaic.gmm
-  assert gmm.get_gmm("mosaic") is mosaic.gmm is mosaic.make_gmm(mosaic.DEFAULT_KERNELS)
-  assert gmm.get_gmm("xla", "ours_ws") is gmm.get_gmm("xla")  # other backends have no kernel sets
-  with pytest.raises(ValueError, match="unknown moe_mosaic_kernels 'cutlass'; choose one of: jax, ours, ours_ws"):
-    mosaic.make_gmm("cutlass")
-  from MaxText import quant
-  from MaxText.quant import fp8_blockwise
+    gmm.build("mosaic").kernels[0](jnp.ones((8, 128)), jnp.ones((2, 128, 128)), jnp.array([4, 4]))
+  # An option that does not apply to the combination is refused at config time, in one line
+  with pytest.raises(UserError, match="mxfp8_impl=emulated applies only to quantization=mxfp8"):
+    tiny_config("mxfp8_impl=emulated")
+  with pytest.raises(UserError, match="quantization=fp8_blockwise runs on moe_gmm_backend=mosaic or xla .got padded."):
+    tiny_config("quantization=fp8_blockwise", "moe_gmm_backend=padded", "moe_dispatch=capacity", "capacity_factor=2")
+  # One object per entry and options; the fused entry points default to the plain composition
+  assert gmm.build("xla") is gmm.build("xla") is not gmm.build("mosaic")
+  assert gmm.build("xla").fuses == () and gmm.build("fp8_blockwise:xla").fuses == ("swiglu_down", "quantized_rows")
+  assert gmm.build("fp8_blockwise:xla", gmm.Options(False, False)).fuses == ()
+  assert gmm.build("mxfp8:xla").quantize_rows(jnp.ones((4, 128))) is None
 
-  assert quant.quantized_gmm("", "mosaic", "ours") is mosaic.make_gmm("ours")
-  # fp8_blockwise follows the kernel set: warp-specialized fp8 kernels under ours_ws (the default; measured
-  # 1.3x the plain ones), the plain ones otherwise
-  assert quant.fp8_kernels("mosaic") is quant.fp8_kernels("mosaic", "ours_ws") is fp8_blockwise.WS_KERNELS
-  assert fp8_blockwise.WS_KERNELS._ragged is fp8_blockwise.fp8_mosaic.scaled_ragged_dot_ws
-  assert quant.fp8_kernels("mosaic", "ours")._ragged is fp8_blockwise.fp8_mosaic.scaled_ragged_dot
-  assert quant.quantized_gmm("fp8_blockwise", "mosaic", "ours") is not quant.quantized_gmm("fp8_blockwise", "mosaic")
+
+def test_a_backend_registered_in_one_place_is_a_choice_everywhere(tiny_config, monkeypatch):
+  """Registering an entry is the only edit: the config accepts it, the doctor lists it, the grouped-GEMM
+  benchmark offers it, and the layer runs it."""
+  from MaxText import doctor
+
+  monkeypatch.setattr(gmm, "EXPERT_GEMMS", dict(gmm.EXPERT_GEMMS))
+  gmm.register(gmm.Entry("einsum_loop", "", "einsum_loop", "MaxText.gmm.xla", "a test's backend"))
+  try:
+    assert "einsum_loop" in gmm.backends()
+    cfg = tiny_config("moe_gmm_backend=einsum_loop")
+    assert cfg.moe.moe_gmm_backend == "einsum_loop"
+    line = next(c for c in doctor.check_moe_backends(jax.devices()) if c.name == "expert GEMM").detail
+    assert "einsum_loop" in line.split("; not here")[0]
+    spec = importlib.util.spec_from_file_location("grouped_gemm", REPO / "benchmarks" / "grouped_gemm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert "einsum_loop" in bench.bf16_entries() and bench.runnable("einsum_loop", jax.devices()[0]) is None
+    p = params.initialize(moe_specs(64, cfg.moe), jax.random.key(0), jnp.float32, 0.1)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64))
+    got, _ = moe(p, x, jnp.zeros((8,)), cfg.moe, Sharder())
+    want, _ = moe(p, x, jnp.zeros((8,)), tiny_config().moe, Sharder())
+    np.testing.assert_array_equal(got, want)  # same module underneath: the same numbers
+  finally:
+    gmm.build.cache_clear()
 
 
 class FakeDevice:
@@ -113,28 +138,28 @@ class FakeDevice:
 
 
 def test_auto_resolves_by_device_and_says_why():
-  name, why = gmm.resolve("auto", jax.devices()[0], "float32")
+  name, why = gmm.resolve_backend("auto", jax.devices()[0], "float32")
   assert name == "xla" and "not an sm_90 GPU" in why
-  name, why = gmm.resolve("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16")
-  assert name == ("mosaic" if gmm.available("mosaic") else "xla")
-  assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA A100", "8.0"), "bfloat16")[0] == "xla"
-  assert gmm.resolve("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "float32")[0] == "xla"
-  assert gmm.resolve("xla", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == ("xla", "chosen in the config")
-  assert gmm.resolve("mosaic", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16") == (
-    "mosaic",
-    "chosen in the config",
+  name, why = gmm.resolve_backend("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "bfloat16")
+  assert name == ("mosaic" if gmm.unavailable("mosaic") is None else "xla")
+  assert gmm.resolve_backend("auto", FakeDevice("gpu", "NVIDIA A100", "8.0"), "bfloat16")[0] == "xla"
+  assert gmm.resolve_backend("auto", FakeDevice("gpu", "NVIDIA H200", "9.0"), "float32")[0] == "xla"
+  h200 = FakeDevice("gpu", "NVIDIA H200", "9.0")
+  assert gmm.resolve("", "xla", "auto", h200, "bfloat16") == ("xla", "xla", "emulated", "chosen in the config")
+  assert gmm.resolve("fp8_blockwise", "mosaic", "auto", h200, "bfloat16").name == "fp8_blockwise:mosaic"
+  assert gmm.resolve("mxfp8", "auto", "auto", FakeDevice("gpu", "NVIDIA B200", "10.0"), "bfloat16").name == (
+    "mxfp8:block_scaled"
   )
   with pytest.raises(
     ValueError,
-    match="moe_gmm_backend=mosaic runs Hopper .sm_90. wgmma kernels; NVIDIA B200 is sm_100: choose moe_gmm_backend=auto or xla",
+    match="mosaic runs Hopper .sm_90. wgmma kernels; NVIDIA B200 is sm_100: choose moe_gmm_backend=auto or xla",
   ):
-    gmm.resolve("mosaic", FakeDevice("gpu", "NVIDIA B200", "10.0"), "bfloat16")
+    gmm.resolve("", "mosaic", "auto", FakeDevice("gpu", "NVIDIA B200", "10.0"), "bfloat16")
 
 
 def test_hopper_kernels_on_a_blackwell_plan_are_one_line_and_exit_2():
   """A Hopper recipe (moe_gmm_backend=mosaic) planned for a B200: one line saying what to choose, not
   Mosaic's compile error."""
-  from conftest import REPO
 
   site = REPO / ".venv" / "gpu-aot"
   if not (site / "jax_plugins").is_dir():
@@ -169,27 +194,29 @@ def test_hopper_kernels_on_a_blackwell_plan_are_one_line_and_exit_2():
 
 
 def test_mosaic_tiles_and_padding():
-  assert mosaic.tiles_for("fwd", 123456, 7) == dict(zip(mosaic.TILE_NAMES, mosaic.DEFAULT_TILES["fwd"]))
-  for key, tiles in mosaic.tuned_tiles().items():
+  from MaxText.kernels import mosaic_tiles as mt
+
+  assert mt.tiles_for("fwd", 123456, 7) == dict(zip(mt.TILE_NAMES, mt.DEFAULT_TILES["fwd"]))
+  for key, tiles in mt.tuned_tiles().items():
     kernel, widths, *regime = key.split(":")
     k, n = map(int, widths.split("x"))
-    assert kernel in mosaic.DEFAULT_TILES and len(tiles) == 5
-    assert k % mosaic.PAD == 0 and n % mosaic.PAD == 0
+    assert kernel in mt.KERNELS and len(tiles) == 5
+    assert k % mt.PAD == 0 and n % mt.PAD == 0
     if regime:  # a group-count regime ("g32") is what that many groups, or nearby counts, get
       groups = int(regime[0].removeprefix("g"))
       assert (
-        mosaic.tiles_for(kernel, k, n, groups)
-        == mosaic.tiles_for(kernel, k, n, groups + 1)
-        == dict(zip(mosaic.TILE_NAMES, tiles))
+        mt.tiles_for(kernel, k, n, groups) == mt.tiles_for(kernel, k, n, groups + 1) == dict(zip(mt.TILE_NAMES, tiles))
       )
     else:
-      assert mosaic.tiles_for(kernel, k, n) == dict(zip(mosaic.TILE_NAMES, tiles))
+      assert mt.tiles_for(kernel, k, n) == dict(zip(mt.TILE_NAMES, tiles))
+  # a padded width that does not hold two halves of the split dimension gets 64-wide halves
+  assert mt.tiles("fwd", 7168, 384, 8)["block_n"] == 64 and mt.tiles("wgrad", 384, 7168, 8)["block_m"] == 64
 
 
 def test_mosaic_tile_schedule_skips_nothing_and_owns_every_row_once():
   """Our forward kernel's tile list (computed by XLA): every row is owned by exactly one live tile of
   its own group, live tiles come first, and no live tile is dead weight."""
-  from MaxText.moe.gmm import mosaic_kernels
+  from MaxText.kernels import mosaic_pipeline
 
   block_m, m = 128, 1000
   for sizes in (
@@ -201,7 +228,7 @@ def test_mosaic_tile_schedule_skips_nothing_and_owns_every_row_once():
     [250, 250, 250, 250],
   ):
     group, block, first, owned = (
-      np.asarray(a) for a in mosaic_kernels.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
+      np.asarray(a) for a in mosaic_pipeline.tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m)
     )
     assert len(group) == -(-m // block_m) + len(sizes) - 1
     live = owned > 0
@@ -213,10 +240,12 @@ def test_mosaic_tile_schedule_skips_nothing_and_owns_every_row_once():
       r = block[t] * block_m + first[t]
       assert (expected_group[r : r + owned[t]] == group[t]).all()
       assert first[t] + owned[t] <= block_m
-  a = jnp.ones((3, 200))
-  padded_a = mosaic._pad(a, 1)
+  from MaxText.kernels.padding import pad_rows, pad_to
+
+  padded_a = pad_to(jnp.ones((3, 200)), 1, 128)
   assert padded_a.shape == (3, 256) and float(padded_a[:, 200:].sum()) == 0.0
-  assert mosaic._pad(jnp.ones((3, 256)), 1).shape == (3, 256)
+  assert pad_to(jnp.ones((3, 256)), 1, 128).shape == (3, 256)
+  assert pad_rows(jnp.ones((3, 8)), 64).shape == (64, 8) and pad_rows(jnp.ones((70, 8)), 64).shape == (70, 8)
 
 
 def test_custom_vjp_inside_shard_map_types_results_and_sums_weight_gradients():
@@ -241,8 +270,8 @@ def test_custom_vjp_inside_shard_map_types_results_and_sums_weight_gradients():
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad", "fwd_ws", "dgrad_ws", "wgrad_ws"])
-def test_our_mosaic_kernels_in_the_gpu_interpreter(kernel):
+@pytest.mark.parametrize("kernel", ["fwd", "dgrad", "wgrad"])
+def test_mosaic_kernels_in_the_gpu_interpreter(kernel):
   """Our Hopper kernels run by Pallas' Mosaic GPU interpreter on CPU, with its race detector on (TMA copies
   and the overlapped output store have their own clocks; a barrier waited out of phase raises): group
   boundaries inside row blocks, an empty group and rows past the total, against float32. Unwritten memory
@@ -250,7 +279,7 @@ def test_our_mosaic_kernels_in_the_gpu_interpreter(kernel):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  from MaxText.moe.gmm import mosaic_kernels
+  from MaxText.kernels import mosaic_gmm
 
   m, k, n = 256, 128, 192
   sizes = np.array([70, 0, 130, 6], np.int32)  # 206 rows of 256
@@ -260,22 +289,24 @@ def test_our_mosaic_kernels_in_the_gpu_interpreter(kernel):
   dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
   tiles = dict(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2, grid_block_n=2)
   interpret = plgpu.InterpretGPUParams(detect_races=True)
-  f32 = lambda a: np.asarray(a, np.float32)
+
+  def f32(a):
+    return np.asarray(a, np.float32)
+
   total, ends = int(sizes.sum()), np.cumsum(sizes)
   starts = ends - sizes
-  # The warp-specialized kernels (3 programs, a dozen tiles: the load ring carries on across tiles) split
-  # tiles in two, so their split width is 128 here.
-  ragged = mosaic_kernels.ragged_dot_ws if kernel.endswith("_ws") else mosaic_kernels.ragged_dot
+  # The kernels are warp-specialized (3 programs, a dozen tiles: the load ring carries on across tiles)
+  # and split tiles in two, so their split width is 128 here.
+  ragged = mosaic_gmm.ragged_dot
   if kernel.startswith("fwd"):
-    w = w[:, :, :128] if kernel.endswith("_ws") else w
+    w = w[:, :, :128]
     got = ragged(x, w, jnp.asarray(sizes), interpret=interpret, **tiles)[:total]
     want = np.concatenate([f32(x)[a:b] @ f32(w)[g] for g, (a, b) in enumerate(zip(starts, ends))])
   elif kernel.startswith("dgrad"):
     got = ragged(dy, w, jnp.asarray(sizes), transpose_rhs=True, interpret=interpret, **tiles)[:total]
     want = np.concatenate([f32(dy)[a:b] @ f32(w)[g].T for g, (a, b) in enumerate(zip(starts, ends))])
   else:
-    wgrad = mosaic_kernels.ragged_wgrad if kernel == "wgrad" else mosaic_kernels.ragged_wgrad_ws
-    got = wgrad(x, dy, jnp.asarray(sizes), interpret=interpret, **tiles)
+    got = mosaic_gmm.ragged_wgrad(x, dy, jnp.asarray(sizes), interpret=interpret, **tiles)
     want = np.stack([f32(x)[a:b].T @ f32(dy)[a:b] for a, b in zip(starts, ends)])
     assert not np.asarray(got[1]).any(), "an empty group's weight gradient is zero"
   assert not gpu_callbacks.get_races().races_found

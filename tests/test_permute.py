@@ -186,14 +186,14 @@ def test_gradient_is_gathers_with_no_scatter_and_no_token_expert_array():
 def test_plan_and_tile_schedule_compile_without_loops():
   """Index bookkeeping runs as straight-line kernels: a while loop costs a kernel launch and a host-visible
   condition per iteration on a GPU (a binary search over 65,536 sorted copies would be 17)."""
-  from MaxText.moe.gmm import mosaic_kernels
+  from MaxText.kernels import mosaic_pipeline
 
   ids = jax.random.randint(jax.random.key(0), (512, 8), 0, 32)
   for pad in (0, 128):
     hlo = jax.jit(lambda i, pad=pad: permute.plan(i, 32, pad)).lower(ids).compile().as_text()
     assert not re.search(r"\swhile\(", hlo), f"pad={pad}"
   sizes = jnp.array([100, 0, 300, 7, 900] * 6 + [0, 1], jnp.int32)  # 7,843 of 8,192 rows
-  hlo = jax.jit(lambda s: mosaic_kernels.tile_schedule(s, 4096 * 2, 128)).lower(sizes).compile().as_text()
+  hlo = jax.jit(lambda s: mosaic_pipeline.tile_schedule(s, 4096 * 2, 128)).lower(sizes).compile().as_text()
   assert not re.search(r"\swhile\(", hlo)
   # The check can fail: the default (looped) binary search does compile to a while loop.
   looped = jax.jit(lambda a, q: jnp.searchsorted(a, q)).lower(jnp.arange(33), jnp.arange(100)).compile().as_text()

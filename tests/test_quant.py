@@ -1,7 +1,7 @@
-"""Quantised expert GEMMs (MaxText/quant/): the formats against NumPy references written here, the grouped
-GEMMs (CPU path, and the Mosaic kernels in Pallas' GPU interpreter) against float references, straight-through
-gradients, config errors, and short training runs against unquantised ones (the 300-step tiny recipe is opt-in:
-MAXTEXT_QUANT_CONVERGENCE=1)."""
+"""Quantised expert GEMMs (MaxText/quant/ formats, MaxText/gmm/ GEMMs): the formats against NumPy references written
+here, the grouped GEMMs (CPU path, and the Mosaic kernels in Pallas' GPU interpreter) against float references,
+straight-through gradients, config errors, and short training runs against unquantised ones (the 300-step tiny recipe
+is opt-in: MAXTEXT_QUANT_CONVERGENCE=1)."""
 
 import json
 import os
@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import quant
-from MaxText.moe import gmm
-from MaxText.quant import fp8_blockwise, formats, groups, mxfp8, mxfp8_block_scaled, quantize_kernels
+from MaxText import gmm
+from MaxText.gmm import fp8_blockwise, mxfp8, mxfp8_block_scaled
+from MaxText.gmm.base import kernels_from_vjp
+from MaxText.kernels import triton_quantize
+from MaxText.quant import formats, groups
 
 # ---- NumPy references of the formats ----
 E4M3_MAX = 448.0
@@ -249,8 +251,8 @@ def test_quantized_grouped_gemm_forward_dgrad_wgrad(fmt, case):
   x, w, dy = _operands()
   valid = sum(sizes_list)
   dy = dy.at[valid:].set(0.0)
-  name, _, impl = fmt.partition(":")
-  y, dx, dw = _run(quant.quantized_gmm(name, "xla", None, impl or "emulated"), x, w, dy, sizes)
+  name = fmt.partition(":")[0]
+  y, dx, dw = _run(gmm.build(fmt if ":" in fmt else f"{fmt}:xla"), x, w, dy, sizes)
   want_y, want_dx, want_dw = _references(name, x, w, dy, sizes_list)
   for got, want in ((y[:valid], want_y[:valid]), (dx[:valid], want_dx[:valid]), (dw, want_dw)):
     assert np.all(np.isfinite(np.asarray(got)))
@@ -266,8 +268,8 @@ def test_quantized_grouped_gemm_forward_dgrad_wgrad(fmt, case):
 def test_mxfp8_on_another_backend_uses_its_vjp_and_agrees():
   x, w, dy = _operands(seed=3)
   sizes = jnp.array([70, 0, 57, 33], jnp.int32)
-  via_xla = _run(quant.quantized_gmm("mxfp8", "xla"), x, w, dy, sizes)
-  generic = mxfp8.make_gmm(*quant._kernels_from_vjp(jax.lax.ragged_dot))
+  via_xla = _run(gmm.build("mxfp8:xla"), x, w, dy, sizes)
+  generic = mxfp8.make_gmm(*kernels_from_vjp(jax.lax.ragged_dot))
   via_vjp = _run(generic, x, w, dy, sizes)
   for a, b in zip(via_xla, via_vjp):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -306,7 +308,7 @@ def test_block_scaled_wgrad_keeps_a_nan_block_in_its_own_group():
   sizes = jnp.array([20, 50, 40, 50], jnp.int32)
   dy = dy.at[75, 3].set(jnp.inf)  # row 75: group 2 (rows 70..109)
   got = mxfp8_block_scaled.wgrad(x, dy, sizes)
-  want = quant.quantized_gmm("mxfp8", "xla", None, "emulated")
+  want = gmm.build("mxfp8:xla")
   _, pullback = jax.vjp(lambda w: want(x, w, sizes), w)
   want_dw = pullback(dy)[0]
   assert np.isnan(np.asarray(got[2])).any()
@@ -322,38 +324,36 @@ def test_mxfp8_impl_resolution_and_log_line():
       self.compute_capability = capability
 
   cpu = jax.devices()[0]
-  assert quant.resolve_mxfp8("auto", cpu) == "emulated"
-  assert quant.resolve_mxfp8("auto", Gpu("9.0")) == "emulated"
-  assert quant.resolve_mxfp8("auto", Gpu("10.0")) == "block_scaled"
-  assert quant.resolve_mxfp8("auto", Gpu("12.0")) == "block_scaled"
-  assert quant.resolve_mxfp8("block_scaled", cpu) == "block_scaled"
-  assert quant.resolve_mxfp8("emulated", Gpu("10.0")) == "emulated"
-  assert "the tensor cores' block-scaled MMA" in quant.describe("mxfp8", "xla", Gpu("10.0"), "block_scaled")
-  assert "cpu has no block-scaled MMA" in quant.describe("mxfp8", "xla", cpu, "block_scaled")
-  with pytest.raises(ValueError, match="resolve auto first"):
-    quant.quantized_gmm("mxfp8", "xla", None, "auto")
+  assert gmm.resolve_mxfp8("auto", cpu) == "emulated"
+  assert gmm.resolve_mxfp8("auto", Gpu("9.0")) == "emulated"
+  assert gmm.resolve_mxfp8("auto", Gpu("10.0")) == "block_scaled"
+  assert gmm.resolve_mxfp8("auto", Gpu("12.0")) == "block_scaled"
+  assert gmm.resolve_mxfp8("block_scaled", cpu) == "block_scaled"
+  assert gmm.resolve_mxfp8("emulated", Gpu("10.0")) == "emulated"
+  assert "tensor-core block scales" in gmm.describe("mxfp8:block_scaled", device=Gpu("10.0"))
+  assert "dequantised by XLA first: cpu has no block-scaled MMA" in gmm.describe("mxfp8:block_scaled", device=cpu)
+  assert "dequantised into the xla bf16 GEMM" in gmm.describe("mxfp8:xla")
+  assert "fp8_blockwise only: ignored" in gmm.describe("mxfp8:xla")
 
 
-@pytest.mark.parametrize("variant", list(fp8_blockwise.MOSAIC_VARIANTS))
-def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode(variant, capfd):
+@pytest.mark.parametrize("widths", ["wide", "128"])
+def test_fp8_mosaic_kernels_match_the_reference_in_gpu_interpret_mode(widths, capfd):
   """The Hopper kernels themselves (fp8 wgmma, in-kernel scales, ragged row stores, per-group wgrad),
-  run by Pallas' Mosaic GPU interpreter on CPU, against the jnp blockwise reference; the warp-specialized
-  ones (a producer warpgroup, two consumers on 128-row tiles) with the interpreter's race detector on.
+  run by Pallas' Mosaic GPU interpreter on CPU, against the jnp blockwise reference, with the interpreter's
+  race detector on (a producer warpgroup, two consumers on 128-row tiles). "wide": the training tiles
+  (256-wide forward and dgrad); "128": 128-wide tiles, the wgrad without its overlapped promotion.
   n = 136 gives two 128-wide weight-scale blocks, the second partly padding. K steps: 3 in the forward
-  (k = 300), 2 in the dgrad; 1, 0, 3 and 1 row blocks per group in the wgrad (ws_overlap runs its K
+  (k = 300), 2 in the dgrad; 1, 0, 3 and 1 row blocks per group in the wgrad (the overlap runs its K
   steps in pairs: pairs, a pair and a last step, a last step alone, none)."""
   plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   x, w, dy = _operands(seed=4, m=340, k=300, n=136)
   sizes = jnp.array([60, 0, 261, 4], jnp.int32)  # 325 rows: 15 padding rows, a group of 4, one empty
-  kw = fp8_blockwise.MOSAIC_VARIANTS[variant]
-  if kw.get("warp_specialized"):  # 2 stages, so that the ring of buffers is reused within and across tiles
-    kernels = fp8_blockwise.MosaicKernels(
-      **{**kw, "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams(detect_races=True)
-    )
-  else:
-    kernels = fp8_blockwise.MosaicKernels(**kw, interpret=plgpu.InterpretGPUParams())
-  got = _run(fp8_blockwise.make_gmm(kernels), x, w, dy, sizes)
-  want = _run(quant.quantized_gmm("fp8_blockwise", "xla"), x, w, dy, sizes)
+  tiles = {} if widths == "wide" else {"block_n": 128, "wgrad": {"overlap_promotion": False}}
+  # 2 stages, so that the ring of buffers is reused within and across tiles
+  interpret = plgpu.InterpretGPUParams(detect_races=True)
+  kernels = fp8_blockwise.MosaicKernels(**tiles, max_concurrent_steps=2, interpret=interpret)
+  got = _run(fp8_blockwise.Fp8BlockwiseGemm("test", kernels), x, w, dy, sizes)
+  want = _run(gmm.build("fp8_blockwise:xla"), x, w, dy, sizes)
   for a, b in zip((got[0][:325], got[1][:325], got[2]), (want[0][:325], want[1][:325], want[2])):
     assert _rel(a, b) < 1e-5
   assert "RACE DETECTED" not in capfd.readouterr().out  # the detector prints each race it finds
@@ -364,7 +364,6 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
   computes: weights' 128x128 blocks with the transposed copy, and activations in 1x128 tiles along K plus
   their rows aligned per group in 128x1 tiles, row-block-major; zero, Inf and NaN blocks, an empty group and
   rows past the groups' total included. (Bit-exactness on the GPU: tests/gpu/check_quantize_kernels.py.)"""
-  from MaxText.quant import quantize_kernels
 
   def same(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -372,12 +371,12 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
 
   w = awkward_values((2, 256, 384), seed=3)
   w[0, :128, :128], w[1, 5, 300], w[0, 200, 10] = 0.0, np.nan, np.inf
-  wq, q_t = quantize_kernels.weight_quantize_both(jnp.asarray(w), interpret=True)
+  wq = fp8_blockwise.MosaicKernels(interpret=True).weight_quantize(jnp.asarray(w))
   want = formats.weight_quantize(jnp.asarray(w))
   assert (
     same(wq.q, want.q)
     and same(wq.scale, want.scale)
-    and same(q_t, jnp.swapaxes(want.q, 1, 2))
+    and same(wq.q_t, jnp.swapaxes(want.q, 1, 2))
     and wq.blocks == want.blocks
   )
   assert np.isnan(np.asarray(wq.scale)[1, 0, 2]) and float(wq.scale[0, 0, 0]) == 1.0
@@ -385,22 +384,25 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
   x = jnp.asarray(awkward_values((1000, 256), seed=4)).at[3, 7].set(jnp.nan).at[600:700, :].set(0.0)
   sizes = jnp.array([100, 0, 517, 300], jnp.int32)  # 83 rows past the total
   aligned = fp8_blockwise.align_all_rows(sizes, 1000)
-  rows, cols = quantize_kernels.quantize_rows_and_columns(x, aligned, interpret=True)
+  kernels = fp8_blockwise.MosaicKernels(interpret=True)
+  rows, cols = kernels.quantize_both(x, aligned)
   want_rows = formats.activation_quantize(x, 1)
   want_cols = formats.blockwise_quantize(groups.to_aligned(x, aligned), {0: 128})
   assert same(rows.q, want_rows.q) and same(rows.scale, want_rows.scale)
   assert same(cols.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(cols.scale, want_cols.scale)
   assert np.isnan(np.asarray(rows.scale)[3, 0]) and not np.isnan(np.asarray(rows.scale)[4]).any()
   # the wgrad operand requantised from the fp8 rows (quantize_before_permute), through bf16 as the layer does
-  got = quantize_kernels.columns_from_rows(want_rows, aligned, jnp.bfloat16, interpret=True)
+  got = kernels.columns_from_rows(want_rows, aligned, jnp.bfloat16)
   want_cols = fp8_blockwise.columns_from_rows(want_rows, aligned, jnp.bfloat16)
   assert same(got.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(got.scale, want_cols.scale)
   # swiglu(gate, up) made in the kernel from [gate | up] (quantize_with_activation), as the jnp path quantises it
   gate_up = (
     jnp.asarray(awkward_values((1000, 512), seed=6), jnp.bfloat16).at[9, 300].set(jnp.nan).at[640, 20].set(-jnp.inf)
   )
-  rows, cols = quantize_kernels.quantize_rows_and_columns(gate_up, aligned, interpret=True, swiglu_of=True)
-  want_rows, want_cols = fp8_blockwise.swiglu_quantize_both(gate_up[:, :256], gate_up[:, 256:], aligned)
+  rows, cols = kernels.swiglu_quantize_both(gate_up[:, :256], gate_up[:, 256:], aligned)
+  want_rows, want_cols = fp8_blockwise.ReferenceKernels().swiglu_quantize_both(
+    gate_up[:, :256], gate_up[:, 256:], aligned
+  )
   assert rows.q.shape == (1000, 256) and same(rows.q, want_rows.q) and same(rows.scale, want_rows.scale)
   assert same(cols.q, fp8_blockwise.rows_block_major(want_cols.q)) and same(cols.scale, want_cols.scale)
   assert np.isnan(np.asarray(rows.scale)[9, 0]) and np.isnan(
@@ -408,26 +410,22 @@ def test_quantize_kernels_match_the_jnp_format_in_interpret_mode():
   )  # up's NaN; silu(-inf) * up
 
 
-def test_fused_quantize_variant_runs_the_kernels_in_the_gemm(monkeypatch):
-  """The default warp-specialized variant, ws_wide (Triton quantisation feeding the Mosaic kernels, both
+def test_fused_quantisation_runs_the_kernels_in_the_gemm(monkeypatch):
+  """The Mosaic kernel set as training runs it (Triton quantisation feeding the Mosaic kernels, both
   interpreted; a 256-wide forward tile, and the dgrad's 384 columns on 128-wide tiles rather than padded),
   against the jnp reference GEMM, forward, dgrad and wgrad; widths in whole 128-blocks so the fused kernels
   are taken."""
   plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   x, w, dy = _operands(seed=5, m=300, k=384, n=256, g=3)
   sizes = jnp.array([130, 0, 150], jnp.int32)  # 20 rows past the total
-  kernels = fp8_blockwise.MosaicKernels(
-    **{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams()
-  )
-  from MaxText.quant import quantize_kernels
-
+  kernels = fp8_blockwise.MosaicKernels(max_concurrent_steps=2, interpret=plgpu.InterpretGPUParams())
   calls = []
   for name in ("weight_quantize_both", "quantize_rows_and_columns", "columns_from_rows"):
-    kernel = getattr(quantize_kernels, name)
+    kernel = getattr(triton_quantize, name)
     monkeypatch.setattr(
-      quantize_kernels, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw)
+      triton_quantize, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw)
     )
-  f, ref = fp8_blockwise.make_gmm(kernels), quant.quantized_gmm("fp8_blockwise", "xla")
+  f, ref = fp8_blockwise.Fp8BlockwiseGemm("test", kernels), gmm.build("fp8_blockwise:xla")
   got = _run(f, x, w, dy, sizes)
   # w once (the backward reads its forward quantisation), x in the forward and dy in the backward
   assert sorted(calls) == ["quantize_rows_and_columns"] * 2 + ["weight_quantize_both"], calls
@@ -460,18 +458,18 @@ def _swiglu_run(f, gate, up, w, dy, sizes):
 
 
 def test_swiglu_down_gemm_is_the_gemm_of_the_activation():
-  """gmm.from_swiglu(gate, up, w) (quantize_with_activation) is gmm(swiglu(gate, up), w): the same value and
+  """gemm.swiglu_down(gate, up, w) (quantize_with_activation) is gemm(swiglu(gate, up), w): the same value and
   the same gradients for gate, up and w, bit for bit on the jnp kernels, whose quantisation of the
   activation it shares; and swiglu is silu(gate) * up in float32 rounded once."""
   gate, up, w, dy = _swiglu_operands(seed=7, m=300, f=256, k=136, g=3)
   sizes = jnp.array([130, 0, 150], jnp.int32)
-  f = quant.quantized_gmm("fp8_blockwise", "xla")
-  got = _swiglu_run(f.from_swiglu, gate, up, w, dy, sizes)
-  want = _swiglu_run(lambda gate, up, w, s: f(quantize_kernels.swiglu(gate, up), w, s), gate, up, w, dy, sizes)
+  f = gmm.build("fp8_blockwise:xla")
+  got = _swiglu_run(f.swiglu_down, gate, up, w, dy, sizes)
+  want = _swiglu_run(lambda gate, up, w, s: f(triton_quantize.swiglu(gate, up), w, s), gate, up, w, dy, sizes)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(a, b)
   assert all(np.any(np.asarray(a, np.float32) != 0) for a in got)
-  h = quantize_kernels.swiglu(gate, up)
+  h = triton_quantize.swiglu(gate, up)
   assert h.dtype == jnp.bfloat16
   np.testing.assert_allclose(
     np.asarray(h, np.float32), np.asarray(jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)), rtol=2**-8
@@ -479,24 +477,22 @@ def test_swiglu_down_gemm_is_the_gemm_of_the_activation():
 
 
 def test_swiglu_down_gemm_runs_the_activation_in_the_quantisation_kernel(monkeypatch):
-  """Under the default warp-specialized variant (interpreted) from_swiglu quantises swiglu(gate, up) in one
+  """With the Mosaic kernel set (interpreted) swiglu_down quantises swiglu(gate, up) in one
   kernel pass from [gate | up], and matches the jnp reference GEMM, forward and the three gradients."""
   plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   gate, up, w, dy = _swiglu_operands(seed=8, m=300, f=256, k=256, g=3)
   sizes = jnp.array([130, 0, 150], jnp.int32)  # 20 rows past the total
-  kernels = fp8_blockwise.MosaicKernels(
-    **{**fp8_blockwise.MOSAIC_VARIANTS["ws_wide"], "max_concurrent_steps": 2}, interpret=plgpu.InterpretGPUParams()
-  )
+  kernels = fp8_blockwise.MosaicKernels(max_concurrent_steps=2, interpret=plgpu.InterpretGPUParams())
   calls = []
-  kernel = quantize_kernels.quantize_rows_and_columns
+  kernel = triton_quantize.quantize_rows_and_columns
   monkeypatch.setattr(
-    quantize_kernels,
+    triton_quantize,
     "quantize_rows_and_columns",
     lambda *a, **kw: calls.append(kw.get("swiglu_of", False)) or kernel(*a, **kw),
   )
-  got = _swiglu_run(fp8_blockwise.make_gmm(kernels).from_swiglu, gate, up, w, dy, sizes)
+  got = _swiglu_run(fp8_blockwise.Fp8BlockwiseGemm("test", kernels).swiglu_down, gate, up, w, dy, sizes)
   assert sorted(calls) == [False, True], calls  # swiglu(gate, up) in the forward, dy in the backward
-  want = _swiglu_run(quant.quantized_gmm("fp8_blockwise", "xla").from_swiglu, gate, up, w, dy, sizes)
+  want = _swiglu_run(gmm.build("fp8_blockwise:xla").swiglu_down, gate, up, w, dy, sizes)
   for a, b in zip(
     (got[0][:280], got[1][:280], got[2][:280], got[3]), (want[0][:280], want[1][:280], want[2][:280], want[3])
   ):
@@ -508,19 +504,19 @@ def test_swiglu_down_gemm_runs_the_activation_in_the_quantisation_kernel(monkeyp
 def test_registry_and_config_errors(tiny_config):
   from MaxText.errors import UserError
 
-  assert quant.CHOICES == ("", "mxfp8", "fp8_blockwise")
-  assert quant.quantized_gmm("", "xla") is gmm.get_gmm("xla")
-  with pytest.raises(ValueError, match="unknown quantization 'int4'"):
-    quant.quantized_gmm("int4", "xla")
-  with pytest.raises(UserError, match="fp8_blockwise runs its own kernels: moe_gmm_backend=mosaic .Hopper. or xla"):
-    tiny_config("quantization=fp8_blockwise", "moe_gmm_backend=te")
-  with pytest.raises(UserError, match="quantization=mxfp8 needs contiguous groups"):
+  assert gmm.quantizations() == ("", "mxfp8", "fp8_blockwise")
+  with pytest.raises(UserError, match="fp8_blockwise runs on moe_gmm_backend=mosaic or xla .got tokamax."):
+    tiny_config("quantization=fp8_blockwise", "moe_gmm_backend=tokamax")
+  with pytest.raises(
+    UserError, match="quantization=mxfp8 runs on moe_gmm_backend=xla or mosaic or tokamax .got padded."
+  ):
     tiny_config("quantization=mxfp8", "moe_gmm_backend=padded", "moe_dispatch=capacity", "capacity_factor=2.0")
   with pytest.raises(UserError, match="quantization"):
     tiny_config("quantization=fp4")
-  cpu = jax.devices()[0]
-  assert "emulated" in quant.describe("mxfp8", "xla", cpu)
-  assert "in the kernel" in quant.describe("fp8_blockwise", "mosaic", cpu)
+  assert "MXFP8 operands dequantised into the xla bf16 GEMM" in gmm.describe("mxfp8:xla")
+  assert "block scales applied in the kernel" in gmm.describe("fp8_blockwise:mosaic")
+  assert "fused: silu(gate) * up" in gmm.describe("fp8_blockwise:mosaic")
+  assert "no fusions" in gmm.describe("fp8_blockwise:xla", gmm.Options(False, False))
 
 
 # ---- training ----
@@ -541,7 +537,8 @@ def _train(cfg, steps, devices=None):
 
 def _compare(tiny_config, steps, *overrides, devices=None):
   runs = {
-    q: _train(tiny_config(f"steps={steps}", f"quantization={q}", *overrides), steps, devices) for q in quant.CHOICES
+    q: _train(tiny_config(f"steps={steps}", f"quantization={q}", *overrides), steps, devices)
+    for q in gmm.quantizations()
   }
   window = max(10, steps // 10)
   report = {}
@@ -624,27 +621,25 @@ def _compile_for_gpu(*args: str) -> dict:
 
 
 def test_fp8_blockwise_kernels_compile_for_h200():
-  """Forward, dgrad and wgrad of fp8_blockwise compile for a compile-only H200 (Mosaic GPU lowering checks
-  the fp8 wgmma operand layouts, shared memory and TMA shapes; Triton lowering the quantisation kernels) at
-  DeepSeek-V3's gate/up shape, from bf16 rows, from rows quantised before the permute and (the down GEMM of
-  swiglu(gate, up)) from [gate | up] split in two, which XLA must not copy back together for the kernel.
-  (Widths and row counts that are not tile multiples run in the interpreter test above.)"""
-  for kernels in [f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS]:
-    for shape, result in _compile_for_gpu(kernels, "4096x7168x4096x8").items():
-      # fwd, dgrad and wgrad for gmm, gmm.from_quantized_rows and gmm.from_swiglu; the fused variant's
-      # quantisation kernels (Triton) besides: the two weights, x, swiglu(gate, up), dy and the requantised
-      # fp8 rows, fewer where XLA merges equal calls.
-      fused = fp8_blockwise.MOSAIC_VARIANTS[kernels.split(":")[1]].get("fused_quantize", False)
-      assert result.pop("triton_kernels") in (range(6, 10) if fused else (0,)), (kernels, shape)
-      want = {
-        "device_kind": "NVIDIA H200",
-        "mosaic_kernels": 9,
-        "fp8_operands": True,
-        "scaled_dots": 0,
-        "triton_gemm_fusions": 0,
-        "bf16_concatenates": 0,
-      }
-      assert result == want, (kernels, shape)
+  """Forward, dgrad and wgrad of fp8_blockwise:mosaic compile for a compile-only H200 (Mosaic GPU lowering
+  checks the fp8 wgmma operand layouts, shared memory and TMA shapes) at DeepSeek-V3's gate/up shape, from
+  bf16 rows, from rows quantised before the permute and (the down GEMM of swiglu(gate, up)) from [gate | up]
+  split in two, which XLA must not copy back together for the kernel. (Widths and row counts that are not
+  tile multiples run in the interpreter test above.)"""
+  for shape, result in _compile_for_gpu("fp8_blockwise:mosaic", "4096x7168x4096x8").items():
+    # fwd, dgrad and wgrad for the plain call, from_quantized_rows and swiglu_down; the Triton quantisation
+    # kernels besides: the two weights, x, swiglu(gate, up), dy and the requantised fp8 rows, fewer where XLA
+    # merges equal calls
+    assert result.pop("triton_kernels") in range(6, 10), shape
+    want = {
+      "device_kind": "NVIDIA H200",
+      "mosaic_kernels": 9,
+      "fp8_operands": True,
+      "scaled_dots": 0,
+      "triton_gemm_fusions": 0,
+      "bf16_concatenates": 0,
+    }
+    assert result == want, shape
 
 
 @pytest.mark.parametrize("pad", [0, 8])
@@ -693,8 +688,8 @@ def test_activation_quantised_with_the_down_gemm_input_in_the_layer(tiny_config,
   p = params.initialize(moe_specs(256, fused.moe), jax.random.key(0), jnp.float32, 0.1)
   x = jax.random.normal(jax.random.key(1), (2, 40, 256))
   bias = jnp.zeros((fused.moe.num_experts,))
-  seen, swiglu = [], quantize_kernels.swiglu
-  monkeypatch.setattr(quantize_kernels, "swiglu", lambda *a: seen.append(1) or swiglu(*a))
+  seen, swiglu = [], fp8_blockwise.swiglu
+  monkeypatch.setattr(fp8_blockwise, "swiglu", lambda *a: seen.append(1) or swiglu(*a))
 
   def grads(cfg):
     out, f = jax.vjp(lambda p, x: moe(p, x, bias, cfg.moe, Sharder())[0], p, x)
@@ -732,17 +727,14 @@ def test_block_scaled_mxfp8_compiles_to_triton_scaled_dots_for_b200():
 
 
 def test_benchmark_labels_name_each_quantised_gmm(tmp_path):
-  """benchmarks/grouped_gemm.py, gmm_profile.py and the compile-only GPU check name quantised GEMMs the same
-  way (quant.labels); a bare name is what training runs by default on the device; anything else is one
-  usage line and exit code 2."""
+  """benchmarks/grouped_gemm.py and gmm_profile.py take --quant as a quantization (what training resolves to
+  on the device) or a registry entry name (gmm.EXPERT_GEMMS); anything else is one usage line and exit code 2
+  listing the registry's quantised entries, and nothing written."""
   cpu = jax.devices("cpu")[0]
-  labels = quant.labels()
-  assert {"fp8_blockwise", "mxfp8", "mxfp8:block_scaled", "mxfp8:emulated"} <= set(labels)
-  assert {f"fp8_blockwise:{v}" for v in fp8_blockwise.MOSAIC_VARIANTS} <= set(labels)
-  assert quant.labelled_gmm("mxfp8", cpu) is quant.quantized_gmm("mxfp8", "mosaic", None, "emulated")  # auto on a CPU
-  assert quant.labelled_gmm("fp8_blockwise", cpu) is quant.quantized_gmm("fp8_blockwise", "mosaic")
-  with pytest.raises(ValueError, match="fp8_blockwise:wide: choose one of"):
-    quant.labelled_gmm("fp8_blockwise:wide", cpu)
+  quantised = {n for n, e in gmm.EXPERT_GEMMS.items() if e.quantization}
+  assert {"fp8_blockwise:mosaic", "fp8_blockwise:xla", "mxfp8:xla", "mxfp8:block_scaled"} <= quantised
+  assert gmm.resolve("mxfp8", "auto", "auto", cpu, "float32").name == "mxfp8:xla"  # auto on a CPU: emulated
+  assert gmm.resolve("fp8_blockwise", "auto", "auto", cpu, "float32").name.startswith("fp8_blockwise:")
   repo = Path(__file__).resolve().parents[1]
   for script in ("gmm_profile.py", "grouped_gemm.py"):
     proc = subprocess.run(
@@ -760,8 +752,7 @@ def test_benchmark_labels_name_each_quantised_gmm(tmp_path):
       env={**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"},
       timeout=300,
     )
-    assert (
-      proc.returncode == 2
-      and "--quant fp8_blockwise:wide: choose from fp8_blockwise, fp8_blockwise:plain" in proc.stderr
-    ), (script, proc.stderr[-500:])
+    assert proc.returncode == 2, (script, proc.stderr[-500:])
+    assert "--quant fp8_blockwise:wide: choose from" in proc.stderr, (script, proc.stderr[-500:])
+    assert all(n in proc.stderr for n in quantised), (script, proc.stderr[-500:])
     assert not (tmp_path / script).exists()

@@ -63,7 +63,7 @@ def test_tiny_recipe_learns_and_writes_its_run(tiny_config, tmp_path, capsys):
 
   run = tmp_path / "tiny"
   assert "model_name: deepseek_v3-tiny" in (run / "config.yml").read_text()
-  rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [0, 20, 40, 60, 79]
   for key in (
     "loss",
@@ -122,7 +122,10 @@ def test_relative_output_directory_checkpoints(tiny_config, tmp_path, monkeypatc
   assert (tmp_path / "runs" / "rel" / "checkpoints" / "2").is_dir()
 
 
-OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 105.30GiB with allocator GPU_0_bfc on device 0. [executable_name='jit_step']"
+OOM = (
+  "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 105.30GiB with allocator GPU_0_bfc on device 0. "
+  "[executable_name='jit_step']"
+)
 
 
 def _out_of_memory_in(run_dir, before=lambda: None) -> str:

@@ -40,7 +40,8 @@ def _preset_flags() -> dict[str, list[str]]:
 def test_scan_splits_packed_literals_and_keeps_names_with_xla_inside(tmp_path):
   lib = tmp_path / "lib.so"
   lib.write_bytes(
-    b"\x00\x01xla_gpu_ptx_filexla_gpu_algorithm_denylist_path\x00junk xla_gpu_enable_xla_runtime_executable\x00XLA_FLAGS\x00"
+    b"\x00\x01xla_gpu_ptx_filexla_gpu_algorithm_denylist_path\x00junk "
+    b"xla_gpu_enable_xla_runtime_executable\x00XLA_FLAGS\x00"
   )
   assert xla_flags.scan(lib) == {
     "xla_gpu_ptx_file",
@@ -189,8 +190,8 @@ def test_presets_reach_xla_and_are_recorded_in_the_run(tmp_path):
   assert recorded["NCCL_DEBUG"] == "WARN" and recorded["NCCL_NVLS_ENABLE"] == "0"
   assert f"XLA_FLAGS={expected!r}" in proc.stdout  # and in the log
   assert (
-    "note: GPU flags from xla_flag_presets latency_hiding, xla_flag_presets collective_combine, xla_flags but no CUDA plugin"
-    in proc.stdout
+    "note: GPU flags from xla_flag_presets latency_hiding, xla_flag_presets collective_combine, "
+    "xla_flags but no CUDA plugin" in proc.stdout
   )
 
 
@@ -202,7 +203,8 @@ def test_apply_refuses_once_jax_has_started(monkeypatch):
   with pytest.raises(UserError, match="JAX has already started, so XLA_FLAGS would not take effect"):
     runtime_env.apply(_Train(xla_flag_presets="latency_hiding"))
   before = os.environ["XLA_FLAGS"]
-  # nothing to change (the environment's flags, each once, as XLA reads them): fine, and the environment is left as it was
+  # nothing to change (the environment's flags, each once, as XLA reads them): fine,
+  # and the environment is left as it was
   assert runtime_env.apply(_Train()) == {"xla_flags": runtime_env._merged(before), "env": {}, "notes": []}
   assert os.environ["XLA_FLAGS"] == before
 

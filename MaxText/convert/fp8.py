@@ -39,7 +39,8 @@ def block_size(hf_config: dict) -> tuple[int, int]:
 
 
 def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype) -> np.ndarray:
-  """weight [rows, cols] float8 * its block scales -> [rows, cols] `dtype`, computed in float32 one block row at a time."""
+  """weight [rows, cols] float8 * its block scales -> [rows, cols] `dtype`, computed in float32 one block row at a
+  time."""
   b0, b1 = block
   cols = weight.shape[1]
   out = np.empty(weight.shape, dtype)

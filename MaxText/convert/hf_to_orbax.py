@@ -101,8 +101,10 @@ class Conversion:
         continue
       if layout.mtp_layer_index(name, self.m.base_num_decoder_layers) is not None:
         raise UserError(
-          f"unexpected tensor {name} in {info.file.name}: its layer is beyond num_hidden_layers + num_nextn_predict_layers "
-          f"({self.m.base_num_decoder_layers} + {self.m.mtp_num_layers}) in config.json; --skip-mtp leaves MTP layers out"
+          f"unexpected tensor {name} in {info.file.name}: its layer is beyond "
+          "num_hidden_layers + num_nextn_predict_layers "
+          f"({self.m.base_num_decoder_layers} + {self.m.mtp_num_layers}) in config.json; "
+          "--skip-mtp leaves MTP layers out"
         )
       raise UserError(
         f"unexpected tensor {name} in {info.file.name}: not part of a DeepSeek-V3 checkpoint with this config.json"
@@ -150,7 +152,8 @@ class Conversion:
       )
       if not same:
         raise UserError(
-          f"{e.hf_name} differs from {main}; our MTP modules share the main embedding and head, so convert with --skip-mtp"
+          f"{e.hf_name} differs from {main}; our MTP modules share the main embedding and head, "
+          "so convert with --skip-mtp"
         )
 
   def _load(self, e: layout.Entry, dtype: np.dtype) -> np.ndarray:

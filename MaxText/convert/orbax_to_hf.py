@@ -83,7 +83,8 @@ def check_leaves(stored: dict, shapes: dict, where: str) -> None:
       raise UserError(f"checkpoint {where} has no {'/'.join(leaf)}, which its model config needs")
     if stored[name][0] != shape:
       raise UserError(
-        f"checkpoint {where}: {'/'.join(leaf)} has shape {list(stored[name][0])}, its model config implies {list(shape)}"
+        f"checkpoint {where}: {'/'.join(leaf)} has shape {list(stored[name][0])}, "
+        f"its model config implies {list(shape)}"
       )
 
 

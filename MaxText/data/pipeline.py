@@ -35,7 +35,8 @@ class Tokenize:
     if self.tok is not None:
       if self.tok.vocab_size > vocab_size:
         raise UserError(
-          f"tokenizer {cfg.tokenizer_path} has {self.tok.vocab_size} tokens but vocab_size={vocab_size}; raise vocab_size"
+          f"tokenizer {cfg.tokenizer_path} has {self.tok.vocab_size} tokens "
+          f"but vocab_size={vocab_size}; raise vocab_size"
         )
       for flag, token_id, name in ((cfg.add_bos, self.tok.bos_id, "BOS"), (cfg.add_eos, self.tok.eos_id, "EOS")):
         if flag and token_id is None:

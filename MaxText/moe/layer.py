@@ -3,9 +3,9 @@
     y = shared(x) + sum_{e in topk(x)} w_e * expert_e(x)
 
 Routing is in `router.py`, the permutation in `dispatch/`, the expert GEMMs in
-`gmm/`; this file wires them together for one layer and reports the expert
+`MaxText/gmm/`; this file wires them together for one layer and reports the expert
 load (for the bias update and the step log) and the dropped copies. Under
-expert parallelism (moe_dispatch = ragged_a2a | dense_a2a | allgather | te) the
+expert parallelism (moe_dispatch = ragged_a2a | dense_a2a | allgather) the
 routed experts run in `ep/` over the mesh that `shard` carries; the shared
 experts do not depend on the dispatch, so XLA may overlap them with it.
 """
@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText import gmm
 from MaxText.config_schema import MoEConfig
+from MaxText.gmm.base import ExpertGemm
 from MaxText.layers.mlp import mlp, mlp_specs
 from MaxText.moe import ep, router
 from MaxText.moe.dispatch import get_dispatcher
-from MaxText.quant import quantized_gmm, resolve_mxfp8
 from MaxText.params import ParamSpec
 
 
@@ -48,11 +49,9 @@ def moe_specs(emb_dim: int, cfg: MoEConfig) -> dict:
   return specs
 
 
-def routed_experts(
-  p: dict, rows: jax.Array, group_sizes: jax.Array, gmm, rows_q=None, quantize_with_activation=False
-) -> jax.Array:
-  """rows_q: the rows already quantised (fp8_blockwise with quantize_before_permute), for gate and up.
-  quantize_with_activation: the down GEMM's input made in its quantisation pass (fp8_blockwise)."""
+def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gemm: ExpertGemm, rows_q=None) -> jax.Array:
+  """The experts' SwiGLU MLP on rows grouped by expert. rows_q: the rows already quantised by
+  gemm.quantize_rows (before the permute), for the gate/up GEMM."""
   with jax.named_scope("gmm"):
     # Checkpoint names (MaxText/remat.py): top-k times the tokens, the largest activations of the layer.
     # Gate and up as one GEMM of twice the width: the rows are read (and quantised) once, the backward
@@ -60,21 +59,19 @@ def routed_experts(
     # benchmarked at. The concatenation fuses into the weights' cast to the compute dtype.
     w_gate_up = jnp.concatenate([p["wi_0"], p["wi_1"]], axis=-1)
     if rows_q is None:
-      gate_up = gmm(rows, w_gate_up, group_sizes)
+      gate_up = gemm(rows, w_gate_up, group_sizes)
     else:
-      gate_up = gmm.from_quantized_rows(rows, rows_q, w_gate_up, group_sizes)
+      gate_up = gemm.from_quantized_rows(rows, rows_q, w_gate_up, group_sizes)
     gate, up = jnp.split(gate_up, 2, axis=-1)
     gate, up = checkpoint_name(gate, "moe_mlpwi_0"), checkpoint_name(up, "moe_mlpwi_1")
-    if quantize_with_activation and hasattr(gmm, "from_swiglu"):
-      return checkpoint_name(gmm.from_swiglu(gate, up, p["wo"], group_sizes), "moe_mlpwo")
-    return checkpoint_name(gmm(jax.nn.silu(gate) * up, p["wo"], group_sizes), "moe_mlpwo")
+    return checkpoint_name(gemm.swiglu_down(gate, up, p["wo"], group_sizes), "moe_mlpwo")
 
 
-def _expert_gmm(cfg: MoEConfig):
-  # mxfp8_impl=auto is resolved by the Trainer (which logs it); a layer built on its own decides here.
-  return quantized_gmm(
-    cfg.quantization, cfg.moe_gmm_backend, cfg.moe_mosaic_kernels, resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0])
-  )
+def expert_gemm(cfg: MoEConfig) -> ExpertGemm:
+  """The expert GEMM of `cfg`, whose moe_gmm_backend the Trainer resolved (and logged); mxfp8_impl=auto is
+  decided here for the default device when a layer is built on its own."""
+  name = gmm.entry_name(cfg.quantization, cfg.moe_gmm_backend, gmm.resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0]))
+  return gmm.build(name, gmm.Options(cfg.quantize_with_activation, cfg.quantize_before_permute))
 
 
 def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[jax.Array, MoEStats]:
@@ -94,24 +91,24 @@ def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[
   if ep.is_ep(cfg.moe_dispatch):
     from MaxText.moe.ep.parallel import routed_ep
 
-    gmm = _expert_gmm(cfg)
-    experts = lambda w, rows, sizes: routed_experts(
-      w, rows, sizes, gmm, quantize_with_activation=cfg.quantize_with_activation
-    )  # noqa: E731
+    gemm = expert_gemm(cfg)
+
+    def experts(w, rows, sizes):
+      return routed_experts(w, rows, sizes, gemm)
+
     out, overflow, sent, nodedup = routed_ep(experts, p, x, r.expert_ids, r.weights, cfg, shard.mesh)
     out = out if shared is None else out + shared
     return out, MoEStats(load, jnp.zeros((), jnp.int32), balance, overflow, sent, nodedup)
   dispatcher = get_dispatcher(cfg.moe_dispatch, cfg.capacity_factor, cfg.moe_group_pad_multiple)
-  gmm = _expert_gmm(cfg)
+  gemm = expert_gemm(cfg)
   rows_q = None
   with jax.named_scope("permute"):
     dispatched = dispatcher.dispatch(tokens, r.expert_ids, cfg.num_experts)
-    if cfg.quantize_before_permute and hasattr(gmm, "from_quantized_rows") and hasattr(dispatcher, "rows_of"):
-      # 1x128 scales along the hidden axis are per token: quantise the tokens once and move fp8 rows
-      # (the top-k copies' quantisation pass and the bf16 row gather are then dead code).
-      tq = gmm.quantize_rows(tokens)
+    # A row-local format (fp8_blockwise's 1x128 scales along the hidden axis) quantises each token once and
+    # moves fp8 rows: the top-k copies' quantisation pass and the bf16 row gather are then dead code.
+    if (tq := gemm.quantize_rows(tokens)) is not None:
       rows_q = tq._replace(q=dispatcher.rows_of(tq.q, dispatched), scale=dispatcher.rows_of(tq.scale, dispatched))
-  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, gmm, rows_q, cfg.quantize_with_activation)
+  y = routed_experts(p, dispatched.rows, dispatched.group_sizes, gemm, rows_q)
   with jax.named_scope("combine"):
     out = dispatcher.combine(y, r.weights, dispatched).reshape(batch, seq, d)
   if shared is not None:

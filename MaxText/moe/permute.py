@@ -35,6 +35,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from MaxText.gather import gather_rows
+
 
 class Plan(NamedTuple):
   row_copy: jax.Array  # [R] int32: copy held by each row; N*k marks a padding row
@@ -87,17 +89,6 @@ def plan(expert_ids: jax.Array, num_experts: int, pad_multiple: int = 0) -> Plan
   source = jnp.clip(starts[group] + within, 0, copies - 1)
   row_copy = jnp.where(real, order[source], copies)
   return Plan(row_copy, dest.reshape(n, k), padded.astype(jnp.int32))
-
-
-def gather_rows(a: jax.Array, index: jax.Array) -> jax.Array:
-  """a[index] along axis 0, zero where index is out of range.
-
-  The index is materialised first: otherwise XLA fuses the plan's whole index arithmetic (its sorts'
-  outputs, group tables, divisions) into the row gather, and every element of every row recomputes
-  it (on an H200 the 65,536-row gather ran at a quarter of the memory bandwidth that way). Every row
-  gather by a computed index goes through here (EP dispatch, fp8's group alignment too)."""
-  index = jax.lax.optimization_barrier(index)
-  return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
 
 
 def _int_zero(a: jax.Array) -> jax.Array:

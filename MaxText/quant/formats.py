@@ -23,14 +23,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-E4M3 = jnp.float8_e4m3fn
-E4M3_MAX = 448.0
+from MaxText.kernels.fp8_scale import E4M3, E4M3_MAX, FP8_BLOCK, MIN_SCALE, blockwise_scale  # noqa: F401 (the format's)
+
 E4M3_EMAX = 8  # floor(log2(448)): the exponent of e4m3's largest power of two
 E8M0 = jnp.float8_e8m0fnu
 E8M0_MIN_EXP = -127
 MX_BLOCK = 32
-FP8_BLOCK = 128
-MIN_SCALE = 2.0**-126  # fp8_blockwise's smallest scale: the smallest normal float32
 
 
 class Quantized(NamedTuple):
@@ -111,14 +109,6 @@ def mx_quantize(x: jax.Array, axis: int = -1, block: int = MX_BLOCK) -> Quantize
 
 
 # ---- fp8 blockwise (DeepSeek-V3) ----
-def blockwise_scale(amax: jax.Array) -> jax.Array:
-  """The fp32 scale of blocks with this amax: amax * fp32(1/448) (XLA turns a division by a constant into
-  this product anyway), at least the smallest normal float so that its reciprocal is finite (GPUs may
-  flush a subnormal scale to zero); 1 for an all-zero block, NaN for one holding Inf or NaN."""
-  scale = jnp.where(amax == 0, 1.0, jnp.maximum(amax * jnp.float32(1.0 / E4M3_MAX), MIN_SCALE))
-  return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
-
-
 def blockwise_quantize(x: jax.Array, blocks: dict[int, int]) -> Quantized:
   """e4m3 with an fp32 scale amax/448 per block; `blocks` maps axis -> block size."""
   blocks = _norm(blocks, x.ndim)

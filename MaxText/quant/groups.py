@@ -5,7 +5,7 @@ in blocks along rows (32 for mxfp8, 128 for fp8_blockwise) needs each block insi
 group sizes are arbitrary. So rows are moved into an aligned layout where every group starts at
 a multiple of `align` and is zero-filled up to the next one; blocks then never cross a boundary, and
 the zero rows add nothing to the contraction. Both directions are row gathers by a materialised index
-(permute.gather_rows): no scatter.
+(gather.gather_rows): no scatter.
 """
 
 from typing import NamedTuple
@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from MaxText.moe.permute import gather_rows
+from MaxText.gather import gather_rows
 
 
 class Aligned(NamedTuple):

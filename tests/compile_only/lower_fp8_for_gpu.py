@@ -1,13 +1,13 @@
 """Compiles the quantised expert GEMMs (forward + both backward GEMMs) for a compile-only GPU and prints
 JSON; run by tests/test_quant.py in a subprocess whose PYTHONPATH holds the CUDA plugin.
 
-  python tests/compile_only/lower_fp8_for_gpu.py [--gpu h200|b200] fp8_blockwise[:VARIANT]|mxfp8[:IMPL] [MxKxNxG ...]
+  python tests/compile_only/lower_fp8_for_gpu.py [--gpu h200|b200] NAME [MxKxNxG ...]
   (default 4096x7168x4096x8, h200)
 
-fp8_blockwise:VARIANT compiles one of fp8_blockwise.MOSAIC_VARIANTS (plain, ws, ws_block_scales, ws_fused_quantize, ws_wide); a bare
-fp8_blockwise is what quantization=fp8_blockwise runs by default; where the GEMM has them, its entries for rows
-quantised before the permute and for the down GEMM of swiglu(gate, up) are compiled too. mxfp8:IMPL is mxfp8_impl (emulated, block_scaled);
-a bare mxfp8 is what auto picks for the GPU.
+NAME is a quantised entry of the expert-GEMM registry (MaxText/gmm/: fp8_blockwise:mosaic, mxfp8:mosaic,
+mxfp8:block_scaled, ...), or a bare quantization (fp8_blockwise, mxfp8): what quantization=NAME runs on the
+GPU with moe_gmm_backend=mosaic and mxfp8_impl=auto. Where the GEMM fuses them (ExpertGemm.fuses), its
+entries for rows quantised before the permute and for the down GEMM of swiglu(gate, up) are compiled too.
 """
 
 import json
@@ -18,24 +18,33 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText import compile_only
-from MaxText.quant import labelled_gmm
+from MaxText import compile_only, gmm
 
 
-def compile_one(gpu: str, fmt: str, m: int, k: int, n: int, g: int) -> dict:
+def entry_for(name: str, device) -> str:
+  """The registry entry NAME stands for on `device`."""
+  if name in gmm.EXPERT_GEMMS:
+    return name
+  if name not in gmm.quantizations() or not name:
+    quantised = [n for n, e in gmm.EXPERT_GEMMS.items() if e.quantization]
+    raise SystemExit(f"{name}: choose a quantization or a quantised expert GEMM: {', '.join(quantised)}")
+  return gmm.entry_name(name, "mosaic", gmm.resolve_mxfp8("auto", device))
+
+
+def compile_one(gpu: str, name: str, m: int, k: int, n: int, g: int) -> dict:
   devices = compile_only.devices(gpu, 1)
   s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
-  f = labelled_gmm(fmt, devices[0])
+  f = gmm.build(entry_for(name, devices[0]))
 
   def fwd_bwd(x, w, sizes, dy):
     y, pullback = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
     out = (y, *pullback(dy))
-    if hasattr(f, "from_quantized_rows"):  # quantize_before_permute's entry: x's rows quantised already
+    if "quantized_rows" in f.fuses:  # quantize_before_permute's entry: x's rows quantised already
       y, pullback = jax.vjp(lambda x, w: f.from_quantized_rows(x, f.quantize_rows(x), w, sizes), x, w)
       out += (y, *pullback(dy))
-    if hasattr(f, "from_swiglu"):  # quantize_with_activation's entry: x is [gate | up], w's first half the down weight
+    if "swiglu_down" in f.fuses:  # quantize_with_activation's entry: x is [gate | up], w's first half the down weight
       gate, up = jnp.split(x, 2, axis=1)
-      y, pullback = jax.vjp(lambda gate, up, w: f.from_swiglu(gate, up, w, sizes), gate, up, w[:, : k // 2])
+      y, pullback = jax.vjp(lambda gate, up, w: f.swiglu_down(gate, up, w, sizes), gate, up, w[:, : k // 2])
       out += (y, *pullback(dy))
     return out
 

@@ -1,12 +1,14 @@
-"""GPU check: the quantised expert GEMMs (MaxText/quant/) against float references, forward, dgrad and wgrad.
+"""GPU check: the quantised expert GEMMs (MaxText/gmm/'s registry) against float references, forward, dgrad and
+wgrad.
 
   python3 tests/gpu/check_fp8_gmm.py --out OUT.json          # on the GPU (fp8_blockwise Mosaic kernels need sm_90)
-  python3 tests/gpu/check_fp8_gmm.py --out OUT.json --cpu-dry-run   # tiny shapes on CPU, kernels in Pallas' GPU interpreter
+  python3 tests/gpu/check_fp8_gmm.py --out OUT.json --cpu-dry-run   # tiny shapes on CPU, Pallas' GPU interpreter
 
 For each case (DeepSeek-V3 widths with balanced and skewed groups, empty groups, all rows in one group,
-group and width sizes that are not multiples of 128) and each of fp8_blockwise (our Hopper kernels),
-mxfp8 (emulated on the bf16 mosaic backend) and mxfp8:block_scaled (jax.lax.scaled_dot per window), on fresh random inputs (seed from os.urandom, recorded),
-with freed device memory filled with NaN before each run:
+group and width sizes that are not multiples of 128) and each quantised entry of the registry that can run
+here (fp8_blockwise:mosaic, our Hopper kernels; fp8_blockwise:xla; mxfp8 emulated on each bf16 backend;
+mxfp8:block_scaled, jax.lax.scaled_dot per window; --gemms to choose), on fresh random inputs (seed from
+os.urandom, recorded), with freed device memory filled with NaN before each run:
 
   exact    each output against the float32 product of the dequantised operands (quantised along that
            GEMM's contraction; rows per group for wgrad), computed on the host: the kernel must equal it
@@ -15,7 +17,9 @@ with freed device memory filled with NaN before each run:
   format   against the unquantised float32 product: e4m3's 3 mantissa bits give ~3.5% relative Frobenius
            error for a product of two quantised random operands; bound 0.06.
 
-Outputs must be finite. Writes OUT.json and OUT.md; exit code 1 if any check fails.
+Outputs must be finite. In --cpu-dry-run the Hopper-only entries run where they take Pallas' GPU interpreter
+(fp8_blockwise:mosaic); the others (mxfp8:mosaic's bf16 kernels) are skipped, and said so. Writes OUT.json
+and OUT.md; exit code 1 if any check fails.
 """
 
 import argparse
@@ -31,15 +35,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_gmm import CASES, inputs, outcome, rel, run  # noqa: E402
 
-from MaxText.quant import fp8_blockwise, formats, groups, quantized_gmm  # noqa: E402
+from MaxText import gmm  # noqa: E402
+from MaxText.quant import formats, groups  # noqa: E402
 
 EXACT_BOUND = 1e-2
 FORMAT_BOUND = 0.06
 
 
 def dequantized_operands(fmt, x, w, dy, sizes):
-  """Each GEMM's operands through the format, dequantised to float32, on the host."""
-  if fmt.startswith("mxfp8"):
+  """Each GEMM's operands through entry `fmt`'s format, dequantised to float32, on the host."""
+  if gmm.EXPERT_GEMMS[fmt].quantization == "mxfp8":
     deq = lambda a, axis: formats.dequantize(formats.mx_quantize(a, axis))  # noqa: E731
     xk, wk, dyn, wn = deq(x, 1), deq(w, 1), deq(dy, 1), deq(w, 2)
     block, rows = formats.MX_BLOCK, lambda a: deq(a, 0)  # noqa: E731
@@ -88,50 +93,58 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", type=Path, required=True, help="JSON results path (a .md table is written beside it)")
   ap.add_argument(
-    "--cpu-dry-run", action="store_true", help="tiny shapes; fp8 kernels in the Mosaic GPU interpreter, mxfp8 on xla"
+    "--cpu-dry-run",
+    action="store_true",
+    help="tiny shapes in float32; fp8_blockwise's Hopper kernels in the Mosaic GPU interpreter",
   )
   ap.add_argument(
-    "--variants",
+    "--gemms",
     default="",
-    help="comma-separated fp8_blockwise kernel variants to check (default: all of fp8_blockwise.MOSAIC_VARIANTS)",
+    help="comma-separated quantised expert GEMMs (registry names) to check (default: every one that can run here)",
   )
   ap.add_argument(
     "--quick",
     action="store_true",
     help="three cases (DeepSeek-V3 widths balanced and skewed, odd sizes and widths) instead of all",
   )
-  ap.add_argument("--no-mxfp8", action="store_true", help="check only the fp8_blockwise variants")
+  ap.add_argument("--no-mxfp8", action="store_true", help="check only the fp8_blockwise entries")
   args = ap.parse_args()
-  variants = [v for v in args.variants.split(",") if v] or list(fp8_blockwise.MOSAIC_VARIANTS)
-  if unknown := [v for v in variants if v not in fp8_blockwise.MOSAIC_VARIANTS]:
-    ap.error(f"--variants {','.join(unknown)}: choose from {', '.join(fp8_blockwise.MOSAIC_VARIANTS)}")
+  quantised = [n for n, e in gmm.EXPERT_GEMMS.items() if e.quantization]
+  names = [n for n in args.gemms.split(",") if n] or quantised
+  if unknown := [n for n in names if n not in quantised]:
+    ap.error(f"--gemms {','.join(unknown)}: choose from {', '.join(quantised)}")
+  if args.no_mxfp8:
+    names = [n for n in names if gmm.EXPERT_GEMMS[n].quantization != "mxfp8"]
   seed = int.from_bytes(os.urandom(4), "little")
   rng = np.random.default_rng(seed)
+  device = jax.devices()[0]
   if args.cpu_dry_run:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    interpret = plgpu.InterpretGPUParams()
-    mxfp8 = quantized_gmm("mxfp8", "xla")
+    options = gmm.Options(interpret=plgpu.InterpretGPUParams())
     cases = [("small", 300, 256, 136, 4, "odd_sizes"), ("small", 256, 200, 256, 3, "one_group")]
   else:
-    interpret, mxfp8 = False, quantized_gmm("mxfp8", "mosaic")
+    options = gmm.Options()
     cases = [CASES[0], CASES[2], CASES[-1]] if args.quick else CASES
-  # The Mosaic kernel variants of fp8_blockwise (fp8_blockwise.WS_KERNELS is the default under moe_mosaic_kernels=ours_ws).
-  impls = {
-    f"fp8_blockwise:{name}": fp8_blockwise.make_gmm(
-      fp8_blockwise.MosaicKernels(**fp8_blockwise.MOSAIC_VARIANTS[name], interpret=interpret)
-    )
-    for name in variants
-  }
-  if not args.no_mxfp8:
-    impls["mxfp8"] = mxfp8
-    impls["mxfp8:block_scaled"] = quantized_gmm("mxfp8", "xla", None, "block_scaled")
+  impls, skipped = {}, {}
+  for name in names:
+    if problem := gmm.unavailable(name) or gmm.not_runnable_on(name, device):
+      skipped[name] = problem
+      continue
+    impls[name] = gmm.build(name, options)
+    # Off the GPU a Hopper-only entry runs only where its kernels take the interpreter (Options.interpret).
+    if gmm.EXPERT_GEMMS[name].hopper_only and device.platform != "gpu":
+      if not getattr(getattr(impls[name], "kernels", None), "interpret", False):
+        skipped[name] = "its Hopper kernels take no GPU interpreter"
+        del impls[name]
+  print("skipped:", skipped, flush=True)
   dtype = jnp.float32 if args.cpu_dry_run else jnp.bfloat16
   results = {
     "seed": seed,
     "device": jax.devices()[0].device_kind,
     "exact_bound": EXACT_BOUND,
     "format_bound": FORMAT_BOUND,
+    "skipped": skipped,
     "cases": [],
   }
   ok = True
@@ -159,7 +172,8 @@ def markdown(results: dict) -> str:
     f"Relative Frobenius errors: exact = vs the product of the dequantised operands (bound {results['exact_bound']}); "
     f"format = vs the unquantised product (bound {results['format_bound']}).",
     "",
-    "| case | M | K | N | G | sizes | quant | y exact | dx exact | dw exact | y format | dx format | dw format | pass |",
+    "| case | M | K | N | G | sizes | quant | y exact | dx exact | dw exact | y format | dx format | dw format "
+    "| pass |",
     "|---" * 14 + "|",
   ]
   for c in results["cases"]:

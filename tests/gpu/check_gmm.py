@@ -1,12 +1,18 @@
-"""GPU check: every available grouped-GEMM backend against a float32 reference, forward and gradients.
+"""GPU check: every unquantised expert GEMM of the registry (MaxText/gmm/) that can run on this GPU against
+a float32 reference, forward and gradients.
 
   python tests/gpu/check_gmm.py OUT.json
 
+An entry on equal-capacity groups (padded: moe_dispatch=capacity's layout) runs on each case's rows moved
+into that layout (every group padded to the largest, zero rows) and back. Quantised entries:
+check_fp8_gmm.py.
+
 Fresh random inputs every run (seeded from os.urandom, seed recorded). Cases: DeepSeek-V3 widths with
 balanced and skewed groups, empty groups, all rows in one group, group sizes that are not tile
-multiples, and widths that are not tile multiples (padded by the wrapper). Freed device memory is
-filled with NaN before each run (the allocator reuses it for the outputs), outputs are checked finite, then compared by relative Frobenius error:
-bf16 inputs with fp32 accumulation give ~2^-8 per element at most, averaging to well under 1e-2.
+multiples, and widths that are not tile multiples (padded by the wrapper). Freed device memory is filled
+with NaN before each run (the allocator reuses it for the outputs), outputs are checked finite, then
+compared by relative Frobenius error: bf16 inputs with fp32 accumulation give ~2^-8 per element at most,
+averaging to well under 1e-2.
 Exit code 1 if any case fails.
 """
 
@@ -18,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.moe import gmm as registry
+from MaxText import gmm
 
 BOUND = 1e-2
 # (label, M, K, N, G, group sizes): DeepSeek-V3 widths, then the edge cases (check_fp8_gmm.py's too).
@@ -89,12 +95,36 @@ def poison_freed_memory(nbytes: int) -> None:
   del junk
 
 
-def gmm_for(backend: str):
-  if backend.startswith("mosaic:"):
-    from MaxText.moe.gmm import mosaic
+def on_capacity_layout(f, sizes: np.ndarray):
+  """f, a GEMM on equal-capacity groups, on contiguous groups of `sizes`: rows gathered into G slots of the
+  largest group's size (zero rows after each group's), multiplied, and gathered back (gradients through both)."""
+  g, cap = len(sizes), max(1, int(sizes.max()))
+  starts = np.cumsum(sizes) - sizes
+  index = np.full((g, cap), -1, np.int32)  # -1: the zero row appended to x
+  position = np.zeros(int(sizes.sum()), np.int32)  # each row's place in the layout
+  for e in range(g):
+    index[e, : sizes[e]] = starts[e] + np.arange(sizes[e])
+    position[starts[e] : starts[e] + sizes[e]] = e * cap + np.arange(sizes[e])
 
-    return mosaic.make_gmm(backend.split(":")[1])
-  return registry.get_gmm(backend)
+  def fn(x, w, group_sizes):
+    rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[jnp.where(index < 0, x.shape[0], index).ravel()]
+    y = f(rows, w, jnp.full((g,), cap, jnp.int32))[position]
+    return jnp.concatenate([y, jnp.zeros((x.shape[0] - y.shape[0], y.shape[1]), y.dtype)])  # rows past the groups
+
+  return fn
+
+
+def gmm_for(name: str, sizes: np.ndarray):
+  f = gmm.build(name)
+  return on_capacity_layout(f, sizes) if gmm.EXPERT_GEMMS[name].backend == "padded" else f
+
+
+def runnable(name: str, device) -> bool:
+  """Whether entry `name` can run on `device`: its package installed, its kernels made for this GPU."""
+  entry = gmm.EXPERT_GEMMS[name]
+  if gmm.unavailable(name) or gmm.not_runnable_on(name, device):
+    return False
+  return not (entry.hopper_only and device.platform != "gpu")
 
 
 def run(fn, x, w, sizes, dy):
@@ -110,7 +140,8 @@ def run(fn, x, w, sizes, dy):
 
 
 def outcome(fn, *where) -> dict:
-  """fn()'s result, printed after `where`; a path that cannot run a case fails it, with the reason (check_fp8_gmm.py's too)."""
+  """fn()'s result, printed after `where`; a path that cannot run a case fails it, with the reason
+  (check_fp8_gmm.py's too)."""
   try:
     result = fn()
   except Exception as e:
@@ -129,19 +160,29 @@ def check(name, fn, x, w, sizes, dy, ref):
 def main(out_path: str) -> int:
   seed = int.from_bytes(os.urandom(4), "little")
   rng = np.random.default_rng(seed)
-  backends = [b for b in ("xla", "mosaic", "tokamax", "te") if registry.available(b)]
-  if "mosaic" in backends:  # both Mosaic kernel sets: JAX's and ours (gmm/mosaic_kernels.py)
-    from MaxText.moe.gmm import mosaic
-
-    backends += [f"mosaic:{k}" for k in mosaic.KERNELS if k != mosaic.DEFAULT_KERNELS]
-  results = {"seed": seed, "device": jax.devices()[0].device_kind, "backends": backends, "bound": BOUND, "cases": []}
+  device = jax.devices()[0]
+  backends = [n for n, e in gmm.EXPERT_GEMMS.items() if not e.quantization and runnable(n, device)]
+  skipped = {
+    n: gmm.unavailable(n) or gmm.not_runnable_on(n, device) or f"{device.platform} is no GPU"
+    for n, e in gmm.EXPERT_GEMMS.items()
+    if not e.quantization and n not in backends
+  }
+  print("skipped:", skipped, flush=True)
+  results = {
+    "seed": seed,
+    "device": jax.devices()[0].device_kind,
+    "backends": backends,
+    "skipped": skipped,
+    "bound": BOUND,
+    "cases": [],
+  }
   ok = True
   for label, m, k, n, g, kind in CASES:
     sizes_np, x, w, dy, sizes = inputs(m, k, n, g, kind, rng)
     ref = reference(x, w, dy, sizes_np)
     entry = {"case": label, "m": m, "k": k, "n": n, "groups": g, "sizes": kind, "backends": {}}
     for b in backends:
-      entry["backends"][b] = outcome(lambda: check(b, gmm_for(b), x, w, sizes, dy, ref), label, kind, g, b)
+      entry["backends"][b] = outcome(lambda: check(b, gmm_for(b, sizes_np), x, w, sizes, dy, ref), label, kind, g, b)
       ok &= entry["backends"][b]["pass"]
     results["cases"].append(entry)
   results["all_pass"] = ok

@@ -1,4 +1,4 @@
-"""GPU check: fp8_blockwise's single-pass quantisation kernels (MaxText/quant/quantize_kernels.py, Triton)
+"""GPU check: fp8_blockwise's single-pass quantisation kernels (MaxText/kernels/triton_quantize.py, Triton)
 against the format (formats.py as XLA runs it on the host CPU) bit for bit, and device times against the
 jnp quantisation as XLA runs it on the GPU.
 
@@ -30,29 +30,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.quant import fp8_blockwise, formats, quantize_kernels
+from MaxText.gmm import fp8_blockwise
+from MaxText.kernels import triton_quantize
+from MaxText.quant import formats
 from MaxText.quant.groups import to_aligned
 
 ROWS = 32768
 
 
 def fused_rows(a, sizes, num_warps=None):
-  return quantize_kernels.quantize_rows_and_columns(
-    a, fp8_blockwise.align_all_rows(sizes, a.shape[0]), num_warps=num_warps
-  )
+  """(rows_q, rows_scale, cols_q, cols_scale) from the kernel."""
+  source = fp8_blockwise.align_all_rows(sizes, a.shape[0]).source
+  return triton_quantize.quantize_rows_and_columns(a, source, num_warps=num_warps)
 
 
 def xla_rows(a, sizes):
+  """The same four arrays from the format in jnp."""
   aligned = fp8_blockwise.align_all_rows(sizes, a.shape[0])
+  rows = formats.activation_quantize(a, 1)
   cols = formats.blockwise_quantize(to_aligned(a, aligned), {0: formats.FP8_BLOCK})
-  return formats.activation_quantize(a, 1), formats.Quantized(
-    fp8_blockwise.rows_block_major(cols.q), cols.scale, cols.blocks
-  )
+  return rows.q, rows.scale, fp8_blockwise.rows_block_major(cols.q), cols.scale
 
 
-def fused_weight(w, num_warps=quantize_kernels.WEIGHT_WARPS):
-  wq, q_t = quantize_kernels.weight_quantize_both(w, num_warps=num_warps)
-  return wq.q, q_t, wq.scale
+def fused_weight(w, num_warps=triton_quantize.WEIGHT_WARPS):
+  q, scale, q_t = triton_quantize.weight_quantize_both(w, num_warps=num_warps)
+  return q, q_t, scale
 
 
 def xla_weight(w):
@@ -77,11 +79,10 @@ def differing(a, b) -> int:
   return int(np.sum(~((af == bf) | (np.isnan(af) & np.isnan(bf)))))
 
 
-def fused_columns(q, scale, sizes, num_warps=quantize_kernels.ACTIVATION_WARPS):
-  rows = formats.Quantized(q, scale, ((1, formats.FP8_BLOCK),))
-  return quantize_kernels.columns_from_rows(
-    rows, fp8_blockwise.align_all_rows(sizes, q.shape[0]), jnp.bfloat16, num_warps=num_warps
-  )
+def fused_columns(q, scale, sizes, num_warps=triton_quantize.ACTIVATION_WARPS):
+  """(cols_q, cols_scale) from the kernel."""
+  source = fp8_blockwise.align_all_rows(sizes, q.shape[0]).source
+  return triton_quantize.columns_from_rows(q, scale, source, jnp.bfloat16, num_warps=num_warps)
 
 
 def xla_columns(q, scale, sizes):
@@ -101,7 +102,7 @@ def main() -> int:
   ap.add_argument(
     "--num-warps",
     default="",
-    help="comma-separated warp counts to time the kernels at too (defaults: quantize_kernels.*_WARPS)",
+    help="comma-separated warp counts to time the kernels at too (defaults: triton_quantize.*_WARPS)",
   )
   args = ap.parse_args()
   try:
@@ -159,7 +160,6 @@ def main() -> int:
     x = x.at[1000:1128, 256:384].set(0).at[77, 5].set(jnp.inf).at[30000, 4000].set(jnp.nan)
     for name, sizes_np in cases.items():
       sizes = jnp.asarray(sizes_np)
-      flat = lambda out: (out[0].q, out[0].scale, out[1].q, out[1].scale)  # noqa: E731
       names = ("rows_q", "rows_scale", "cols_q", "cols_scale")
       # The slice: 4,096 rows (the zero tile, the Inf) in two groups, the last 96 outside both.
       xs, ss = x[:4096], jnp.asarray([2000, 2000], jnp.int32)
@@ -176,11 +176,11 @@ def main() -> int:
       record(
         row,
         names,
-        flat(jax.jit(fused_rows)(x, sizes)),
-        flat(jax.jit(xla_rows)(x, sizes)),
-        flat(jax.jit(fused_rows)(xs, ss)),
-        flat(on_cpu(xla_rows, xs, ss)),
-        flat(jax.jit(xla_rows)(xs, ss)),
+        jax.jit(fused_rows)(x, sizes),
+        jax.jit(xla_rows)(x, sizes),
+        jax.jit(fused_rows)(xs, ss),
+        on_cpu(xla_rows, xs, ss),
+        jax.jit(xla_rows)(xs, ss),
       )
       # The wgrad operand from the fp8 rows, as the layer's backward makes it under quantize_before_permute.
       rq = jax.jit(lambda a: formats.activation_quantize(a, 1))(x)
@@ -195,13 +195,12 @@ def main() -> int:
         "_fused": fused_columns,
         "_args": (rq.q, rq.scale, sizes),
       }
-      cols = lambda out: (out.q, out.scale)  # noqa: E731
       record(
         row,
         ("cols_q", "cols_scale"),
-        cols(jax.jit(fused_columns)(rq.q, rq.scale, sizes)),
+        jax.jit(fused_columns)(rq.q, rq.scale, sizes),
         jax.jit(xla_columns)(rq.q, rq.scale, sizes),
-        cols(jax.jit(fused_columns)(*rqs, ss)),
+        jax.jit(fused_columns)(*rqs, ss),
         on_cpu(xla_columns, *rqs, ss),
         jax.jit(xla_columns)(*rqs, ss),
       )

@@ -7,6 +7,7 @@ Interface (every backend):
       rows included: they are zero), and the context that `combine` needs
   combine(y [rows, embed], weights [tokens, k], dispatched) -> [tokens, embed]
       the weighted sum over each token's k experts, accumulated in float32
+  rows_of(a [tokens, ...], dispatched) -> a's rows where dispatch put x's
 """
 
 from typing import Any, NamedTuple, Protocol
@@ -26,14 +27,20 @@ class Dispatcher(Protocol):
 
   def combine(self, y: jax.Array, weights: jax.Array, dispatched: Dispatched) -> jax.Array: ...
 
+  def rows_of(self, a: jax.Array, dispatched: Dispatched) -> jax.Array:
+    """Any per-token array [tokens, ...] laid out as dispatch laid out x (padding rows zero); no gradient
+    (fp8 rows quantised before the permute travel this way)."""
+    ...
+
+
+DISPATCHERS = ("sort", "capacity")  # single-device; the expert-parallel ones are in moe/ep/
+
 
 def get_dispatcher(name: str, capacity_factor: float, group_pad_multiple: int = 0) -> Dispatcher:
   from MaxText.moe.dispatch import capacity, sort
 
-  backends = {
-    "sort": lambda: sort.SortDispatcher(group_pad_multiple),
-    "capacity": lambda: capacity.CapacityDispatcher(capacity_factor),
-  }
-  if name not in backends:
-    raise ValueError(f"unknown moe_dispatch '{name}'; choose one of: {', '.join(backends)}")
-  return backends[name]()
+  if name == "sort":
+    return sort.SortDispatcher(group_pad_multiple)
+  if name == "capacity":
+    return capacity.CapacityDispatcher(capacity_factor)
+  raise ValueError(f"unknown moe_dispatch '{name}'; choose one of: {', '.join(DISPATCHERS)}")

@@ -39,6 +39,12 @@ class CapacityDispatcher:
     dropped = jnp.sum(~kept).astype(jnp.int32)
     return Dispatched(rows, group_sizes, dropped, slot)
 
+  def rows_of(self, a: jax.Array, dispatched: Dispatched) -> jax.Array:
+    """Any per-token array [tokens, ...] in the slots dispatch gave x's copies (empty slots zero); no gradient."""
+    rows, k = dispatched.rows.shape[0], dispatched.context.shape[0] // a.shape[0]
+    copies = jnp.repeat(jax.lax.stop_gradient(a), k, axis=0)
+    return jnp.zeros((rows, *a.shape[1:]), a.dtype).at[dispatched.context].set(copies, mode="drop")
+
   def combine(self, y: jax.Array, weights: jax.Array, dispatched: Dispatched) -> jax.Array:
     tokens, k = weights.shape
     per_copy = gather_rows(y, dispatched.context).reshape(tokens, k, -1)

@@ -11,7 +11,6 @@ Interface (every backend module), called per device inside the shard_map:
   ragged_a2a  jax.lax.ragged_all_to_all sized by all-gathered counts (GPU; XLA:CPU has none)
   dense_a2a   fixed [ranks, capacity] buffers and jax.lax.all_to_all (runs anywhere)
   allgather   all-gather the tokens, run the local experts, reduce-scatter the outputs
-  te          Transformer Engine's EP dispatch/combine: checked at config time, see te.py
 
 Token copies travel as *units* (units.py): without dedup one unit per copy; with `moe_dedup` one
 unit per (token, destination rank) carrying that rank's local expert ids and weights, expanded and
@@ -31,7 +30,6 @@ BACKENDS = {
   "ragged_a2a": "MaxText.moe.ep.ragged_a2a",
   "dense_a2a": "MaxText.moe.ep.dense_a2a",
   "allgather": "MaxText.moe.ep.allgather",
-  "te": "MaxText.moe.ep.te",
 }
 
 
@@ -90,14 +88,11 @@ def is_ep(name: str) -> bool:
 def get_backend(name: str) -> EpBackend:
   if name not in BACKENDS:
     raise ValueError(f"unknown expert-parallel moe_dispatch '{name}'; choose one of: {', '.join(BACKENDS)}")
-  module = importlib.import_module(BACKENDS[name])
-  problem = module.unavailable() if hasattr(module, "unavailable") else None
-  if problem:
-    raise RuntimeError(f"moe_dispatch={name}: {problem}")
-  return module
+  return importlib.import_module(BACKENDS[name])
 
 
-def unavailable(name: str) -> str | None:
-  """Why backend `name` cannot run here (checked at config time), or None."""
-  module = importlib.import_module(BACKENDS[name])
-  return module.unavailable() if hasattr(module, "unavailable") else None
+def unavailable(name: str, platform: str) -> str | None:
+  """Why backend `name` cannot run on devices of `platform` ("gpu", "cpu"), or None."""
+  if name == "ragged_a2a" and platform != "gpu":
+    return "jax.lax.ragged_all_to_all runs on GPUs (XLA:CPU has none)"
+  return None

@@ -26,13 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from MaxText.moe.gmm import vjp
-from MaxText.quant.formats import E4M3, FP8_BLOCK, WEIGHT_BLOCKS, Quantized, blockwise_scale
-from MaxText.quant.groups import Aligned
+from MaxText.kernels.fp8_scale import E4M3, FP8_BLOCK, blockwise_scale
 
 B = FP8_BLOCK
-ROWS_BLOCKS = ((1, B),)  # 1x128 tiles along K of x [rows, K]
-COLUMNS_BLOCKS = ((0, B),)  # 128x1 tiles along rows
 # Warps per 128x128 tile, the fastest of 4/8/16 on an H200: a weight tile is quantised once and its fp8
 # values transposed; an activation tile twice, from its bf16 values and their transpose.
 WEIGHT_WARPS = 8
@@ -90,10 +86,9 @@ def _weight_kernel(w_ref, q_ref, qt_ref, s_ref, *, interpret: bool):
   s_ref[...] = scale
 
 
-def weight_quantize_both(
-  w: jax.Array, interpret: bool = False, num_warps: int = WEIGHT_WARPS
-) -> tuple[Quantized, jax.Array]:
-  """w [G, K, N] (K, N multiples of 128) -> (formats.weight_quantize(w), its values transposed [G, N, K])."""
+def weight_quantize_both(w: jax.Array, interpret: bool = False, num_warps: int = WEIGHT_WARPS):
+  """w [G, K, N] (K, N multiples of 128) -> (q [G, K, N], scale [G, K/128, N/128]: formats.weight_quantize(w),
+  and q transposed [G, N, K])."""
   g, k, n = w.shape
   block = pl.BlockSpec((None, B, B), lambda e, i, j: (e, i, j))
   q, qt, scale = pl.pallas_call(
@@ -110,7 +105,7 @@ def weight_quantize_both(
     name="fp8_weight_quantize_both",
     compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
   )(w)
-  return Quantized(q, scale, WEIGHT_BLOCKS), qt
+  return q, scale, qt
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -167,55 +162,54 @@ def _columns_from_rows_kernel(source_ref, q_ref, s_ref, cols_q_ref, cols_s_ref, 
 
 
 def columns_from_rows(
-  rows_q: Quantized, aligned: Aligned, dtype, interpret: bool = False, num_warps: int = ACTIVATION_WARPS
-) -> Quantized:
+  q: jax.Array, scale: jax.Array, source: jax.Array, dtype, interpret: bool = False, num_warps: int = ACTIVATION_WARPS
+):
   """x's rows quantised in 1x128 tiles along K (q [rows, K], scale [rows, K/128]), dequantised to `dtype` and
   requantised as the aligned rows in 128x1 tiles, row-block-major (as quantize_rows_and_columns' second
-  output): what DeepSeek-V3 does with its cached fp8 activations, reading the fp8 rows instead of x."""
-  rows, k = rows_q.q.shape
-  blocks = aligned.padded_rows // B
-  out_shape = (_out((blocks, k, B), E4M3, rows_q.q), _out((blocks, k), jnp.float32, rows_q.q))
-  outputs = pl.pallas_call(
+  output): what DeepSeek-V3 does with its cached fp8 activations, reading the fp8 rows instead of x.
+  source [padded rows]: the row each aligned row holds (`rows` for a zero row; quant/groups.py)."""
+  rows, k = q.shape
+  blocks = source.shape[0] // B
+  out_shape = (_out((blocks, k, B), E4M3, q), _out((blocks, k), jnp.float32, q))
+  return pl.pallas_call(
     lambda *refs: _columns_from_rows_kernel(*refs, rows=rows, dtype=dtype, interpret=interpret),
     out_shape=out_shape,
     grid=(blocks, k // B),
     interpret=interpret,
     name="fp8_requantize_columns",
     compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-  )(aligned.source, rows_q.q, rows_q.scale)
-  cols_q, cols_s = (vjp.typed(a, aligned.source) for a in outputs)  # and as the alignment
-  return Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
+  )(source, q, scale)
 
 
 def quantize_rows_and_columns(
-  x: jax.Array, aligned: Aligned, interpret: bool = False, num_warps: int | None = None, swiglu_of: bool = False
-) -> tuple[Quantized, Quantized]:
-  """x [rows, K] (K a multiple of 128) and its alignment, every row placed (fp8_blockwise.align_all_rows) ->
+  x: jax.Array, source: jax.Array, interpret: bool = False, num_warps: int | None = None, swiglu_of: bool = False
+):
+  """x [rows, K] (K a multiple of 128) and the row each aligned row holds, source [padded rows] (`rows` for a
+  zero row; every row placed: gmm/fp8_blockwise.align_all_rows) ->
 
-    (x in 1x128 tiles along K: q [rows, K], scale [rows, K/128]   as formats.activation_quantize(x, 1),
-     the aligned rows in 128x1 tiles: q [padded/128, K, 128] (row-block-major), scale [padded/128, K])
+    rows_q [rows, K], rows_scale [rows, K/128]         x in 1x128 tiles along K (formats.activation_quantize(x, 1))
+    cols_q [padded/128, K, 128], cols_scale [padded/128, K]
+                                                       the aligned rows in 128x1 tiles, row-block-major
 
-  The second is formats.blockwise_quantize(to_aligned(x, aligned), {0: 128}) with q's row blocks transposed.
+  The second pair is formats.blockwise_quantize(to_aligned(x, aligned), {0: 128}) with q's row blocks transposed.
   swiglu_of: x is [gate | up] [rows, 2K] and what is quantised is swiglu(gate, up), made tile by tile in
   registers (the bf16 activation is neither written nor read again).
   """
   rows, k = x.shape
   k, swiglu_width = (k // 2, k // 2) if swiglu_of else (k, None)
   num_warps = num_warps or (SWIGLU_WARPS if swiglu_of else ACTIVATION_WARPS)
-  blocks = aligned.padded_rows // B
+  blocks = source.shape[0] // B
   out_shape = (
     _out((rows, k), E4M3, x),
     _out((rows, k // B), jnp.float32, x),
     _out((blocks, k, B), E4M3, x),
     _out((blocks, k), jnp.float32, x),
   )
-  outputs = pl.pallas_call(
+  return pl.pallas_call(
     lambda *refs: _rows_and_columns_kernel(*refs, rows=rows, swiglu_width=swiglu_width, interpret=interpret),
     out_shape=out_shape,
     grid=(blocks, k // B),
     interpret=interpret,
     name="fp8_swiglu_quantize_rows_and_columns" if swiglu_of else "fp8_quantize_rows_and_columns",
     compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),  # one 128x128 tile, no loop to pipeline
-  )(aligned.source, x)
-  rows_q, rows_s, cols_q, cols_s = (vjp.typed(a, aligned.source) for a in outputs)  # and as the alignment
-  return Quantized(rows_q, rows_s, ROWS_BLOCKS), Quantized(cols_q, cols_s, COLUMNS_BLOCKS)
+  )(source, x)

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from MaxText.moe.gmm import vjp
+from MaxText.gmm import vjp
+from MaxText.gmm.base import FunctionGemm
 from MaxText.quant.formats import E8M0, MX_BLOCK, mx_quantize
 from MaxText.quant.groups import align_groups, to_aligned
 
@@ -170,3 +171,7 @@ def wgrad(x, dy, group_sizes):
 
 def make_gmm():
   return vjp.grouped_gemm_with_vjp(fwd, dgrad, wgrad)
+
+
+def build(entry, options) -> FunctionGemm:
+  return FunctionGemm(entry.name, make_gmm())

@@ -9,6 +9,8 @@ real group sizes.
 import jax
 import jax.numpy as jnp
 
+from MaxText.gmm.base import FunctionGemm
+
 
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   groups = w.shape[0]
@@ -19,3 +21,7 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   per_group = x.reshape(groups, x.shape[0] // groups, x.shape[1])
   y = jnp.einsum("gck,gkn->gcn", per_group, w, preferred_element_type=x.dtype)
   return y.reshape(x.shape[0], w.shape[2])
+
+
+def build(entry, options) -> FunctionGemm:
+  return FunctionGemm(entry.name, gmm)

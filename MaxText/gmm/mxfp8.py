@@ -14,7 +14,8 @@ products on the e4m3 values and e8m0 scales themselves, is mxfp8_block_scaled.py
 
 import jax
 
-from MaxText.moe.gmm.vjp import grouped_gemm_with_vjp
+from MaxText.gmm.base import FunctionGemm
+from MaxText.gmm.vjp import grouped_gemm_with_vjp
 from MaxText.quant.formats import MX_BLOCK, fake_quantize, mx_quantize
 from MaxText.quant.groups import align_groups, from_aligned, to_aligned
 
@@ -39,3 +40,9 @@ def make_gmm(fwd, dgrad, wgrad):
     return wgrad(_rows_quantized(x, aligned), _rows_quantized(dy, aligned), group_sizes)
 
   return grouped_gemm_with_vjp(quantized_fwd, quantized_dgrad, quantized_wgrad)
+
+
+def build(entry, options) -> FunctionGemm:
+  from MaxText import gmm
+
+  return FunctionGemm(entry.name, make_gmm(*gmm.build(entry.backend).kernels))

@@ -1,4 +1,4 @@
-"""The fp8_blockwise grouped GEMMs in jnp: the same blockwise math as the Mosaic kernels (fp8_mosaic.py),
+"""The fp8_blockwise grouped GEMMs in jnp: the same blockwise math as the Mosaic kernels (kernels/mosaic_fp8_gmm.py),
 for CPU runs and as their reference.
 
 Each 128-wide block of the contraction is multiplied exactly (e4m3 products are exact in fp32 and
