@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
 from MaxText.config_schema import ModelConfig, MoEConfig
+from MaxText.layers.loss_head import chunked_cross_entropy
 from MaxText.layers.mla import mla, mla_specs
 from MaxText.layers.mlp import mlp, mlp_specs
 from MaxText.layers.norms import rms_norm, rms_norm_spec
@@ -133,13 +134,17 @@ def _run_stack(stack: dict, x, biases, rope, m: ModelConfig, moe_cfg: MoEConfig,
 
 
 def _cross_entropy(h, head, targets, mask, m: ModelConfig):
-  """Mean token cross-entropy of logits = h @ head, and the number of weighted tokens."""
+  """Mean token cross-entropy of logits = h @ head over the weighted tokens, chunked over tokens so that the
+  float32 logits never exist whole (MaxText/layers/loss_head.py)."""
   dot_dtype = jnp.float32 if m.logits_dot_in_fp32 else h.dtype
-  logits = jnp.einsum("bsd,dv->bsv", h.astype(dot_dtype), head.astype(dot_dtype), preferred_element_type=jnp.float32)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  total = jnp.sum(mask)
-  return jnp.sum(nll * mask) / jnp.maximum(total, 1.0), logits
+  total = chunked_cross_entropy(h, head, targets, mask, chunk_tokens=m.loss_chunk_tokens, dot_dtype=dot_dtype)
+  return total / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _logits(h, head, m: ModelConfig):
+  """The whole float32 logits h @ head [batch, seq, vocab], for inspection and scoring (never in training)."""
+  dot_dtype = jnp.float32 if m.logits_dot_in_fp32 else h.dtype
+  return jnp.einsum("bsd,dv->bsv", h.astype(dot_dtype), head.astype(dot_dtype), preferred_element_type=jnp.float32)
 
 
 def _shift_left(a, fill=0):
@@ -150,12 +155,17 @@ def loss_fn(
   params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoEConfig, shard
 ) -> tuple[jax.Array, LossAux]:
   """Training loss: cross-entropy + MTP + balance terms; also returns the expert load."""
-  loss, aux, _ = forward(params, bias, batch, m, moe_cfg, shard)
+  loss, aux, _ = _forward(params, bias, batch, m, moe_cfg, shard, with_logits=False)
   return loss, aux
 
 
 def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoEConfig, shard):
-  """(loss, LossAux, main logits [batch, seq, vocab] float32)."""
+  """(loss, LossAux, main logits [batch, seq, vocab] float32): loss_fn's values and the whole logits, for
+  inspection and scoring. Training calls loss_fn, which never forms the whole logits."""
+  return _forward(params, bias, batch, m, moe_cfg, shard, with_logits=True)
+
+
+def _forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoEConfig, shard, with_logits: bool):
   p = cast_for_compute(params, jnp.dtype(m.dtype))
   eps = m.normalization_layer_epsilon
   positions = batch.positions
@@ -175,7 +185,9 @@ def forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: MoE
     x, moe_stats = _run_stack(p["moe_layers"], x, bias["moe_layers"], rope, m, moe_cfg, shard, seg)
 
   with jax.named_scope("head"):
-    ce, logits = _cross_entropy(rms_norm(x, p["final_norm"], eps), p["head"], batch.targets, batch.mask, m)
+    normed = rms_norm(x, p["final_norm"], eps)
+    ce = _cross_entropy(normed, p["head"], batch.targets, batch.mask, m)
+    logits = _logits(normed, p["head"], m) if with_logits else None
 
   mtp_ce, mtp_stats = jnp.zeros((), jnp.float32), no_stats
   if "mtp_layers" in p:
@@ -222,7 +234,7 @@ def _mtp(p, hidden, biases, batch: Batch, rope, m: ModelConfig, moe_cfg: MoEConf
     h = jnp.einsum("bsc,cd->bsd", merged, mp["proj"])
     h, stats = decoder_layer(mp["layer"], h, b, rope, m, moe_cfg, shard, seg)
     with jax.named_scope("head"):  # the shared output projection, attributed as the main one's (MaxText/profile.py)
-      ce, _ = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, loss_mask, m)
+      ce = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, loss_mask, m)
     return (h, inputs, targets, mask, shifted_seg), (ce, stats)
 
   module = remat.remat(module, m, scanned=True)
