@@ -15,6 +15,11 @@ on any machine, CPU included, and prints what one GPU would hold and do:
                    written once)
   lower bound      step time >= max(model FLOPs / peak FLOP/s, bytes / HBM bandwidth);
                    collectives, recompute and imperfect overlap only add to it
+  prediction       compute at measured kernel rates + the compiled step's exposed collectives
+                   (MaxText/plan/: bytes, groups, intra/inter-node, overlap; NCCL's ring model;
+                   --gpus-per-node, --fabric FILE of measured bandwidths); TFLOP/s, MFU, MoE
+                   dispatch/combine per layer, weak scaling 8-1,024 GPUs. --search [--search-budget K]
+                   ranks mesh shapes, remat and batch, compiling the best K
 
 attention=cudnn_flash cannot be compiled without a GPU (XLA builds the cuDNN graph while
 compiling): it is replaced by a stand-in with flash attention's memory footprint
@@ -99,6 +104,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   ap.add_argument("--gpus-per-host", type=int, default=8)
   ap.add_argument("--memory-fraction", type=float)
   ap.add_argument("--json", dest="json_out")
+  ap.add_argument("--gpus-per-node", dest="gpus_per_host", type=int)  # the same as --gpus-per-host
+  ap.add_argument("--fabric")  # JSON/YAML of measured bandwidths and latencies (MaxText/plan/fabric.py)
+  ap.add_argument("--search", action="store_true")  # rank mesh shapes, remat and batch (MaxText/plan/search.py)
+  ap.add_argument("--search-budget", type=int, default=3)  # how many of the ranked candidates to compile
   options = [a for a in argv if not ("=" in a and not a.startswith("-"))]
   overrides = [a for a in argv if "=" in a and not a.startswith("-")]
   args, unknown = ap.parse_known_args(options)
@@ -152,7 +161,7 @@ def uses_fp8(cfg) -> bool:
   return "fp8" in q
 
 
-def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: float) -> dict:
+def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: float, fabric_file=None) -> dict:
   """Compiles cfg's train step for num_gpus compile-only GPUs and returns the numbers of the report.
 
   When the train state alone (parameters, optimizer state: known from the shardings) is over the
@@ -200,12 +209,12 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
     memory.update(host_offloaded=offloaded_state, peak=state_on_gpu)
     return {**report, "compiled": False, "fits": False}
   with compile_only.lowering_for(devices):
-    measured = compile_and_measure(cfg, trainer, state, batch, gpu, num_gpus, memory, offloaded_state)
+    measured = compile_and_measure(cfg, trainer, state, batch, gpu, num_gpus, memory, offloaded_state, fabric_file)
   return {**report, **measured, "compiled": True}
 
 
 def compile_and_measure(
-  cfg, trainer, state, batch, gpu: str, num_gpus: int, memory: dict, offloaded_state: int
+  cfg, trainer, state, batch, gpu: str, num_gpus: int, memory: dict, offloaded_state: int, fabric_file=None
 ) -> dict:
   from MaxText import compile_only, flops, step_flops
 
@@ -271,7 +280,22 @@ def compile_and_measure(
     "peak_flops": peak_flops,
     "lower_bound_step_s": {"compute": compute_s, "memory": memory_s, "step": max(compute_s, memory_s)},
     "upper_bound_tokens_per_s_per_gpu": tokens / num_gpus / max(compute_s, memory_s, 1e-12),
+    "prediction": predict_step(cfg, gpu, trainer.mesh, compiled.as_text(), memory, fabric_file),
   }
+
+
+def predict_step(cfg, gpu: str, mesh, hlo_text: str, memory: dict, fabric_file=None) -> dict:
+  """The step-time prediction (MaxText/plan/predict.py) from the compiled step's collectives."""
+  from MaxText import compile_only
+  from MaxText.plan import collectives, predict
+
+  devices = list(mesh.devices.flat)  # partition p of the HLO runs on devices[p]
+  per_node = sum(1 for d in devices if d.process_index == devices[0].process_index)
+  ids = [d.id for d in devices]  # compile-only devices: ids run host by host, per_node to a host
+  return predict.predict(
+    cfg, gpu, compile_only.GPUS[gpu], len(devices), per_node, {a: int(n) for a, n in mesh.shape.items()},
+    collectives.parse(hlo_text), ids, memory, fabric_file,
+  )  # fmt: skip
 
 
 def gib(n: float) -> str:
@@ -319,32 +343,54 @@ def format_report(r: dict) -> str:
       if r["attention_stand_in"]
       else []
     ),
+    *(_prediction_lines(r) if r.get("prediction") else []),
     "fits" if r["fits"] else "does NOT fit",
   ]
   return "\n".join(lines)
 
 
+def _prediction_lines(r: dict) -> list[str]:
+  from MaxText.plan import predict
+
+  return predict.format_prediction(r["prediction"], r["num_gpus"])
+
+
 @exit_on_user_error
 def main(argv: list[str]) -> int:
-  if not argv or argv[0] in ("-h", "--help"):
+  if not argv or any(a in ("-h", "--help") for a in argv):  # anywhere, as users type it after a recipe too
     print(__doc__ + "\n" + USAGE)
     return 0 if argv else 2
+  # Validation (MaxText/validate.py): every check before a status line is printed or anything is compiled.
   args, overrides = parse_args(argv)
   from MaxText import compile_only
 
   if args.gpu not in compile_only.GPUS:
     raise UserError(f"--gpu {args.gpu}: unknown GPU; choose one of: {', '.join(compile_only.GPUS)}")
+  per_host = min(args.num_gpus, args.gpus_per_host)
+  if args.num_gpus % per_host:
+    raise UserError(f"--num-gpus {args.num_gpus} is not a multiple of {per_host} GPUs per host")
+  if args.json_out:
+    from MaxText.convert.cli import check_writable
+
+    check_writable(Path(args.json_out), "--json")
   use_plugin()
-  from MaxText import runtime_env
+  from MaxText import runtime_env, validate
   from MaxText.config import load_config
 
   cfg = load_config(args.recipe, overrides)
-  for note in runtime_env.apply(cfg.train)["notes"]:  # the recipe's XLA flags and environment, before jax starts
-    print(f"note: {note}", flush=True)
+  gpu_kind = compile_only.GPUS[args.gpu].name
+  validate.devices(cfg, args.num_gpus, 1, "gpu", gpu_kind, where=f" on {args.num_gpus} x {args.gpu}")
+  notes = runtime_env.apply(cfg.train)["notes"]  # the recipe's XLA flags and environment, before jax starts
   if args.memory_fraction is None:
     args.memory_fraction = memory_fraction_in_force()
+  for note in notes:
+    print(f"note: {note}", flush=True)
   print(f"planning {args.recipe} on {args.num_gpus} x {args.gpu}", flush=True)
-  report = plan(cfg, args.gpu, args.num_gpus, args.gpus_per_host, args.memory_fraction)
+  if args.search:  # MaxText/plan/search.py: rank configurations, compile the best few
+    from MaxText.plan import search
+
+    return search.main(cfg, args, overrides, plan, format_report)
+  report = plan(cfg, args.gpu, args.num_gpus, args.gpus_per_host, args.memory_fraction, args.fabric)
   report["recipe"], report["overrides"] = args.recipe, overrides
   print(format_report(report), flush=True)
   if args.json_out:

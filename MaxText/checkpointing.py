@@ -142,7 +142,8 @@ class Checkpointer:
       differ = _diff(keys, saved, now) if keys else "no config key (the code changed the state's layout)"
       raise UserError(
         f"checkpoint {where} is from an incompatible config: its train state does not match ({detail}); "
-        f"keys that differ: {differ}"
+        f"keys that differ: {differ}; to resume, set them back to the checkpoint's values, "
+        "or choose a new run_name to start a new run with this config"
       )
 
   def restore(self, step: int):

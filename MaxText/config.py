@@ -23,6 +23,7 @@ import yaml
 from MaxText.config_schema import (
   REMAT_LOCATIONS,
   SECTIONS,
+  domain,
   DataConfig,
   MeshConfig,
   ModelConfig,
@@ -150,12 +151,21 @@ def _typed(key: str, value: Any, f: dataclasses.Field, where: str) -> Any:
   if choices is not None and value not in choices:
     shown = ", ".join(c if c else '"" (off)' for c in choices)
     raise UserError(f"{key}={value!r} (from {where}) is not allowed; choose one of: {shown}")
-  if "ge" in meta and value < meta["ge"]:
-    raise UserError(f"{key}={value!r} (from {where}) must be >= {meta['ge']}")
-  if "gt" in meta and value <= meta["gt"]:
-    raise UserError(f"{key}={value!r} (from {where}) must be > {meta['gt']}")
-  if "le" in meta and value > meta["le"]:
-    raise UserError(f"{key}={value!r} (from {where}) must be <= {meta['le']}")
+  if meta.get("label") and (not value.strip() or "/" in value):
+    raise UserError(f"{key}={value!r} (from {where}) must be a non-empty name without '/'")
+  if "path" in meta:
+    if meta["path"] == "required" and not value.strip():
+      default = _read_yaml(BASE_YML).get(key)
+      raise UserError(f"{key} (from {where}) is empty; it must name a directory (the default is {default!r})")
+    if value != value.strip():
+      raise UserError(f"{key}={value!r} (from {where}) has spaces at an end; write the path without them")
+  if "off" in meta and value == meta["off"]:
+    return value
+  if any(k in meta for k in ("ge", "gt", "le")):
+    lo_ok = not ("ge" in meta and value < meta["ge"]) and not ("gt" in meta and value <= meta["gt"])
+    if not lo_ok or ("le" in meta and value > meta["le"]):
+      shown = domain(f)
+      raise UserError(f"{key}={value!r} (from {where}) must be {'in ' if '..' in shown else ''}{shown}")
   return value
 
 
@@ -255,11 +265,21 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
   if moe.moe_gmm_backend == "padded" and moe.moe_dispatch != "capacity":
     fail("moe_gmm_backend", "padded runs equal-capacity groups; set moe_dispatch=capacity (and capacity_factor)")
   if moe.moe_gmm_backend == "mosaic" and m.dtype not in ("bfloat16", "float16"):
-    fail("moe_gmm_backend", f"mosaic runs bf16/fp16 tensor-core kernels; set dtype=bfloat16 (dtype is {m.dtype})")
+    fail(
+      "moe_gmm_backend",
+      f"mosaic runs bf16/fp16 Hopper (sm_90) GPU kernels, not dtype={m.dtype}; set moe_gmm_backend=xla "
+      "(any device and dtype) or auto, or on an H100/H200 dtype=bfloat16",
+    )
   from MaxText import gmm
 
   if why := gmm.check(moe.quantization, moe.moe_gmm_backend, moe.mxfp8_impl):
     fail("mxfp8_impl" if why.startswith("mxfp8_impl") else "quantization", why)
+  from MaxText.layers import linear
+
+  try:
+    linear.parse_groups(moe.quantize_layers)
+  except ValueError as e:
+    fail("quantize_layers", str(e).split(": ", 1)[1])
   if t.per_device_batch_size % t.gradient_accumulation_steps:
     fail(
       "gradient_accumulation_steps",
@@ -337,6 +357,8 @@ def _check_data(d, m, fail) -> None:
       "tokenizer_path",
       f"dataset_type={d.dataset_type} needs a tokenizer file (or tokenize_train_data=false for token-id columns)",
     )
+  if d.dataset_type in ("tfds", "hf") and not d.train_split:
+    fail("train_split", f"dataset_type={d.dataset_type} reads a split; name it (e.g. train)")
   if not d.train_data_columns:
     fail("train_data_columns", "name the column that holds the documents")
   if d.packing and m.attention != "dot_product":

@@ -3,7 +3,10 @@
 Each component receives only its own section (the MoE layer gets `MoEConfig`,
 the optimizer `OptimizerConfig`, ...). Key names follow upstream MaxText where
 the concept exists there. A field's metadata holds its allowed values
-(`choices`) or range (`ge`/`gt`/`le`); `config.py` checks them.
+(`choices`) or range (`ge`/`gt`/`le`, and `off`: one more value that means "off" or
+"automatic", e.g. -1), or says it is a path (`path`: "required" must not be empty,
+"optional" may be "" = none); `config.py` checks them, and `domain()` is the text that
+configs/base.yml shows in brackets next to the key (tests/test_validation.py keeps the two alike).
 """
 
 import dataclasses
@@ -14,12 +17,49 @@ def choice(*options: str):
   return field(metadata={"choices": options})
 
 
-def at_least(lo, *, strict: bool = False):
-  return field(metadata={"gt" if strict else "ge": lo})
+def at_least(lo, *, strict: bool = False, off=None):
+  return field(metadata={"gt" if strict else "ge": lo, **({} if off is None else {"off": off})})
 
 
 def between(lo, hi):
   return field(metadata={"ge": lo, "le": hi})
+
+
+def path(required: bool = False):
+  """A file-system path: "required" ones must not be empty; optional ones are "" (none) or a path."""
+  return field(metadata={"path": "required" if required else "optional"})
+
+
+def label():
+  """A name used in file names (model_name): not empty, no '/'."""
+  return field(metadata={"label": True})
+
+
+def mesh_axis():
+  """An ici_*/dcn_* mesh axis size: a positive number of devices, or -1 (the remaining devices)."""
+  return at_least(1, off=-1)
+
+
+def _num(v) -> str:
+  return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def domain(f: dataclasses.Field) -> str | None:
+  """The allowed values of a numeric or path key, as base.yml shows them ([...] after the #); None for others."""
+  meta = f.metadata
+  if "path" in meta:
+    return "path, not empty" if meta["path"] == "required" else 'path or "" (none)'
+  if f.type not in (int, float):
+    return None
+  if "ge" in meta and "le" in meta:
+    text = f"{_num(meta['ge'])}..{_num(meta['le'])}"
+  elif "ge" in meta:
+    text = f">= {_num(meta['ge'])}"
+  elif "gt" in meta:
+    text = f"> {_num(meta['gt'])}"
+  else:
+    text = "any integer" if f.type is int else "any number"
+  return f"{_num(meta['off'])} or {text}" if "off" in meta else text
 
 
 def registry_choice(registry: str):
@@ -39,7 +79,7 @@ def remat_location():
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-  model_name: str
+  model_name: str = label()
   base_emb_dim: int = at_least(1)
   base_num_query_heads: int = at_least(1)
   base_num_kv_heads: int = at_least(1)
@@ -122,16 +162,17 @@ class MoEConfig:
   moe_route_limit_topk_groups: int = at_least(0)
   load_balance_loss_weight: float = at_least(0.0)
   moe_dispatch: str = registry_choice("moe_dispatch")
-  capacity_factor: float
+  capacity_factor: float = at_least(0.0, strict=True, off=-1.0)  # -1 = dropless
   # Expert parallelism (moe_dispatch=ragged_a2a | dense_a2a | allgather; MaxText/moe/ep/).
   moe_dedup: bool
-  moe_ep_buffer_factor: float
+  moe_ep_buffer_factor: float = at_least(0.0, strict=True, off=-1.0)  # -1 = the worst case
   # The expert GEMM: one entry of MaxText/gmm/'s registry for the pair (quantization, moe_gmm_backend).
   moe_gmm_backend: str = registry_choice("moe_gmm_backend")
   quantization: str = registry_choice("quantization")
   mxfp8_impl: str = choice("auto", "block_scaled", "emulated")  # quantization=mxfp8's products
   quantize_before_permute: bool
   quantize_with_activation: bool
+  quantize_layers: str  # the layer groups `quantization` applies to (MaxText/layers/linear.py)
   moe_group_pad_multiple: int = at_least(0)
 
 
@@ -141,7 +182,7 @@ class OptimizerConfig:
   learning_rate_schedule: str = choice("warmup_cosine", "phases")
   learning_rate_phases: str  # learning_rate_schedule=phases: segments in steps or tokens (MaxText/schedules.py)
   warmup_steps_fraction: float = between(0.0, 1.0)
-  learning_rate_schedule_steps: int
+  learning_rate_schedule_steps: int = at_least(1, off=-1)  # -1 = steps
   cosine_learning_rate_final_fraction: float = between(0.0, 1.0)
   adam_b1: float = between(0.0, 1.0)
   adam_b2: float = between(0.0, 1.0)
@@ -168,14 +209,14 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-  ici_data_parallelism: int
-  ici_fsdp_parallelism: int
-  ici_expert_parallelism: int
-  ici_tensor_parallelism: int
-  dcn_data_parallelism: int
-  dcn_fsdp_parallelism: int
-  dcn_expert_parallelism: int
-  dcn_tensor_parallelism: int
+  ici_data_parallelism: int = mesh_axis()
+  ici_fsdp_parallelism: int = mesh_axis()
+  ici_expert_parallelism: int = mesh_axis()
+  ici_tensor_parallelism: int = mesh_axis()
+  dcn_data_parallelism: int = mesh_axis()
+  dcn_fsdp_parallelism: int = mesh_axis()
+  dcn_expert_parallelism: int = mesh_axis()
+  dcn_tensor_parallelism: int = mesh_axis()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,7 +226,7 @@ class DataConfig:
   data_shuffle_seed: int = at_least(0)
   enable_data_shuffling: bool
   # Where the documents come from (one of these, by dataset_type).
-  dataset_path: str  # tfds: the data_dir holding <name>/<version>/
+  dataset_path: str = path()  # tfds: the data_dir holding <name>/<version>/
   dataset_name: str  # tfds: name[:version]
   train_split: str
   grain_train_files: str
@@ -196,7 +237,7 @@ class DataConfig:
   train_data_columns: str
   # Tokenizing and packing.
   tokenizer_type: str = choice("sentencepiece", "tiktoken", "huggingface")
-  tokenizer_path: str
+  tokenizer_path: str = path()
   tokenize_train_data: bool
   add_bos: bool
   add_eos: bool
@@ -206,7 +247,7 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
   run_name: str
-  base_output_directory: str
+  base_output_directory: str = path(required=True)
   per_device_batch_size: int = at_least(1)
   max_target_length: int = at_least(2)
   gradient_accumulation_steps: int = at_least(1)
@@ -227,7 +268,7 @@ class TrainConfig:
   async_checkpointing: bool
   checkpoint_period: int = at_least(1)
   max_num_checkpoints_to_keep: int = at_least(1)
-  load_parameters_path: str
+  load_parameters_path: str = path()
   nan_policy: str = choice("stop", "skip")
   # Host offload of the train state (pinned host memory between steps, moved to the device inside the step).
   optimizer_memory_host_offload: bool

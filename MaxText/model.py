@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
 from MaxText.config_schema import ModelConfig, MoEConfig
+from MaxText.layers.linear import dense_for
 from MaxText.layers.loss_head import chunked_cross_entropy
 from MaxText.layers.mla import mla, mla_specs
 from MaxText.layers.mlp import mlp, mlp_specs
@@ -105,13 +106,14 @@ def decoder_layer(p, x, bias, rope, m: ModelConfig, moe_cfg: MoEConfig, shard, s
   eps = m.normalization_layer_epsilon
   # Every use reads the named copy, so an offloaded layer input leaves no device copy behind.
   x = checkpoint_name(shard(x, ("batch", "seq", "act_embed")), "decoder_layer_input")
-  h = x + mla(p["mla"], rms_norm(x, p["attn_norm"], eps), rope, m, shard, segment_ids)
+  dense = dense_for(moe_cfg, getattr(shard, "mesh", None))  # the linear layers' GEMMs (quantize_layers)
+  h = x + mla(p["mla"], rms_norm(x, p["attn_norm"], eps), rope, m, shard, segment_ids, dense)
   normed = rms_norm(h, p["ffn_norm"], eps)
   if bias is None:
     with jax.named_scope("mlp"):
-      return h + mlp(p["ffn"], normed, shard), None
+      return h + mlp(p["ffn"], normed, shard, dense), None
   with jax.named_scope("moe"):
-    y, stats = moe(p["ffn"], normed, bias, moe_cfg, shard)
+    y, stats = moe(p["ffn"], normed, bias, moe_cfg, shard, dense)
   return h + y, stats
 
 

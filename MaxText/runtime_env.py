@@ -173,8 +173,14 @@ def planned(train_cfg, environ=None) -> tuple[list[tuple[str, str, str]], dict[s
   return flags, env
 
 
-def validate(flags: list[tuple[str, str, str]], libs=None) -> list[str]:
-  """Raises UserError on the first flag a library does not know; returns notes (GPU flags without a GPU plugin)."""
+def validate(flags: list[tuple[str, str, str]], libs=None, probe: bool | None = None) -> list[str]:
+  """Raises UserError on the first flag a library does not know; returns notes (GPU flags without a GPU plugin).
+
+  Names are first looked up in the libraries' flag names (fast, cached); then, with `probe` (the default
+  when `libs` are the installed ones), XLA itself is asked in a subprocess (xla_flags.probe), which also
+  refuses flags whose name is still in the library but no longer accepted, and values it cannot read.
+  """
+  probe = libs is None if probe is None else probe
   libs = xla_flags.libraries() if libs is None else libs
   if not libs:
     raise UserError("cannot find the jaxlib library to check XLA flags against; is jaxlib installed?")
@@ -185,6 +191,8 @@ def validate(flags: list[tuple[str, str, str]], libs=None) -> list[str]:
         f"XLA flag --{name} (from {where}) is not known to {lib.label} ({lib.path.name}); "
         "XLA would abort on it: remove it or use the name this version has"
       )
+  if probe and flags:
+    _probe(flags, next((lib for lib in libs if lib.label.startswith("jaxlib")), libs[0]))
   notes = []
   has_gpu_plugin = any(not lib.label.startswith("jaxlib") for lib in libs)
   gpu_sources = list(dict.fromkeys(where for name, _, where in flags if name.startswith("xla_gpu_")))
@@ -193,6 +201,26 @@ def validate(flags: list[tuple[str, str, str]], libs=None) -> list[str]:
       f"GPU flags from {', '.join(gpu_sources)} but no CUDA plugin is installed: jax runs on CPU, where they do nothing"
     )
   return notes
+
+
+def _probe(flags: list[tuple[str, str, str]], lib) -> None:
+  """UserError for the first flag that XLA itself refuses (the flags as XLA_FLAGS will hold them)."""
+  merged: dict[str, tuple[str, str]] = {}
+  for name, tok, where in flags:
+    merged.pop(name, None)
+    merged[name] = (tok, where)
+  refused = xla_flags.probe([tok for tok, _ in merged.values()])
+  for name, why in refused or ():
+    tok, where = merged.get(name, (f"--{name}", "XLA_FLAGS"))
+    if why == "unknown":
+      raise UserError(
+        f"XLA flag --{name} (from {where}) is not known to {lib.label} ({lib.path.name}); "
+        "XLA would abort on it: remove it or use the name this version has"
+      )
+    raise UserError(
+      f"XLA flag {tok} (from {where}): {lib.label} cannot read this value; XLA would abort on it: "
+      "fix the value (true/false, a number, or one of the flag's names)"
+    )
 
 
 def _backend_started() -> bool:

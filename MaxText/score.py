@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from MaxText.config import load_config
-from MaxText.convert.cli import ArgumentParser, staged_file
+from MaxText.convert.cli import ArgumentParser, check_writable, staged_file
 from MaxText.errors import UserError, exit_on_user_error
 
 # Scoring is exact float32 inference whatever the training recipe chose.
@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
   from MaxText.convert.checkpoint import model_config_path, state_dir
 
   args = parse(argv)
+  check_writable(Path(args.output), "--output")  # every input checked before anything is computed or written
   state_dir(args.checkpoint)
   cfg = load_config(model_config_path(args.checkpoint, args.model_config), FLOAT32_INFERENCE)
   ids = read_ids(Path(args.input_ids), cfg.model.vocab_size)

@@ -201,6 +201,10 @@ def prepare(cfg: Config) -> Run:
         "raise steps to train on, or choose another run_name"
       )
     ckpt.check_compatible(start)
+  elif t.load_parameters_path:
+    from MaxText import validate
+
+    validate.parameters_match(t.load_parameters_path, abstract.params)
   first_profiled = (start or 0) + t.skip_first_n_steps_for_profiler
   if t.profiler and first_profiled + t.profiler_steps > t.steps:
     raise UserError(
@@ -479,18 +483,30 @@ def main(argv: list[str]) -> int:
     return 0 if argv else 2
   if "=" in argv[0] or not argv[0].endswith((".yml", ".yaml")):
     raise UserError(f"the first argument must be a recipe .yml file, got '{argv[0]}'; {USAGE}")
+  # Validation (MaxText/validate.py): every check before a status line is printed or anything is written.
   cfg = load_config(argv[0], argv[1:])
-  from MaxText import runtime_env
+  from MaxText import distributed, runtime_env, validate
 
+  validate.before_start(cfg)  # paths, explicit mesh sizes against every tensor, the backend for JAX_PLATFORMS
   applied = runtime_env.apply(cfg.train)  # before anything starts a JAX backend; unknown XLA flags stop here
+  launch = distributed.initialize()  # SLURM, Kubernetes or JAX_COORDINATOR_ADDRESS/...; single process otherwise
+  import io
+
+  import jax
+
+  devices = jax.devices()
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  validate.devices(cfg, len(devices), slices, devices[0].platform, devices[0].device_kind)
+  held = io.StringIO()  # prepare's lines are printed once it has passed: an error there comes first
+  with contextlib.redirect_stdout(held):
+    run = prepare(cfg)
   for note in applied["notes"]:
     print(f"note: {note}", flush=True)
-  from MaxText import distributed
-
-  launch = distributed.initialize()  # SLURM, Kubernetes or JAX_COORDINATOR_ADDRESS/...; single process otherwise
   print(f"launch: {launch.describe()}", flush=True)
+  print(held.getvalue(), end="", flush=True)
   try:
-    train(cfg)
+    with out_of_memory_is_a_user_error(run.run_dir, fresh=not run.run_dir.exists()):
+      execute(run)
   except NonFiniteLoss as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_NONFINITE

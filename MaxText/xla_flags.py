@@ -139,3 +139,72 @@ def unknown(flag: str, libs: list[Library]) -> Library | None:
       if flag not in lib.names:
         return lib
   return None
+
+
+# ---- the exact check: XLA's own verdict, from a short-lived process ----
+# The name scan above finds every name jaxlib holds as text, including flags it no longer accepts (a removed
+# flag's name can stay behind in a message). `probe` asks XLA itself: a subprocess starts the CPU backend with
+# the flags in XLA_FLAGS and reports which ones XLA refused (its abort names them). The verdict is cached per
+# jaxlib (version and library file) and flag set, so each set costs one start (about a second) once.
+_PROBE_CODE = "import jax; jax.devices()"
+_UNKNOWN_LINE = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
+_ILLEGAL = re.compile(r"Illegal value for --?(xla_[a-z0-9_]+)")
+_UNREADABLE = re.compile(r"Couldn't interpret value .* for flag (xla_[a-z0-9_]+)")
+PROBE_TIMEOUT_S = 120
+
+
+def _probe_key(tokens: list[str], version: str) -> str:
+  lib = jaxlib_binary()
+  where = ""
+  if lib is not None:
+    st = lib.stat()
+    where = f"{lib.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+  text = "\n".join([version, where, *tokens])
+  return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+
+def _verdict(returncode: int, stderr: str) -> list[list[str]]:
+  """[[flag name, why]] that XLA refused, from its log; [] when it started."""
+  if returncode == 0:
+    return []
+  bad = []
+  for line in stderr.splitlines():
+    if m := _UNKNOWN_LINE.search(line):
+      bad += [[tok.lstrip("-").split("=", 1)[0], "unknown"] for tok in m.group(1).split()]
+    elif m := _ILLEGAL.search(line) or _UNREADABLE.search(line):
+      bad.append([m.group(1), "value"])
+  return bad
+
+
+def probe(tokens: list[str], version: str | None = None) -> list[list[str]] | None:
+  """The flags of `tokens` (--xla_name=value, as XLA_FLAGS holds them) that this jaxlib refuses: [[name, why]],
+  why "unknown" (no such flag) or "value" (a value it cannot read); None when the probe could not tell."""
+  import subprocess
+  import sys
+
+  version = version or jaxlib_version()
+  tokens = list(tokens)
+  cached = cache_dir() / f"xla_flag_probe-{_probe_key(tokens, version)}.json"
+  try:
+    return json.loads(cached.read_text())["refused"]
+  except (OSError, ValueError, KeyError):
+    pass
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "TPU_", "CUDA_VISIBLE"))}
+  env.update(XLA_FLAGS=" ".join(tokens), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0")
+  try:
+    proc = subprocess.run(
+      [sys.executable, "-c", _PROBE_CODE], env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+    )
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  refused = _verdict(proc.returncode, proc.stderr)
+  if proc.returncode != 0 and not refused:
+    return None  # it failed for another reason (no verdict on the flags): the name check stands
+  try:
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    tmp.write_text(json.dumps({"jaxlib": version, "flags": tokens, "refused": refused}))
+    tmp.replace(cached)  # atomic: concurrent probes of the same set write the same verdict
+  except OSError:
+    pass
+  return refused

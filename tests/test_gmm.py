@@ -90,7 +90,7 @@ def test_registry_and_clear_errors(tiny_config):
     tiny_config("quantization=int4")
   with pytest.raises(UserError, match="padded runs equal-capacity groups; set moe_dispatch=capacity"):
     tiny_config("moe_gmm_backend=padded")
-  with pytest.raises(UserError, match="mosaic runs bf16/fp16 tensor-core kernels; set dtype=bfloat16"):
+  with pytest.raises(UserError, match="mosaic runs bf16/fp16 Hopper .sm_90. GPU kernels, not dtype=float32; set moe_"):
     tiny_config("moe_gmm_backend=mosaic")
   with pytest.raises(TypeError, match="set dtype=bfloat16"):
     gmm.build("mosaic").kernels[0](jnp.ones((8, 128)), jnp.ones((2, 128, 128)), jnp.array([4, 4]))
@@ -188,7 +188,7 @@ def test_hopper_kernels_on_a_blackwell_plan_are_one_line_and_exit_2():
   assert (
     proc.stderr.strip()
     .splitlines()[-1]
-    .endswith("choose moe_gmm_backend=auto or xla (and quantization=mxfp8 rather than fp8_blockwise)")
+    .endswith("cannot run on NVIDIA B200 (gpu); here choose moe_gmm_backend=xla or moe_gmm_backend=auto")
   ), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
 

@@ -31,6 +31,14 @@ def check_new(out: Path, flag: str) -> None:
     raise UserError(f"{flag} {out}: its parent directory {out.parent} does not exist")
 
 
+def check_writable(out: Path, flag: str) -> None:
+  """A file the command will write (replacing one that is there): its directory exists and it is not a directory."""
+  if out.is_dir():
+    raise UserError(f"{flag} {out} is a directory; name a file")
+  if not out.parent.is_dir():
+    raise UserError(f"{flag} {out}: its parent directory {out.parent} does not exist")
+
+
 def _umask() -> int:
   mask = os.umask(0)
   os.umask(mask)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config_schema import ModelConfig
+from MaxText.layers.linear import PLAIN, Dense
 from MaxText.layers.norms import rms_norm, rms_norm_spec
 from MaxText.layers.rope import apply_rope, yarn_mscale
 from MaxText.params import ParamSpec
@@ -100,25 +101,32 @@ ATTENTION = {"dot_product": dot_product_attention, "cudnn_flash": cudnn_flash_at
 
 
 def mla(
-  p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, shard, segment_ids=None
+  p: dict,
+  x: jax.Array,
+  rope: tuple[jax.Array, jax.Array],
+  cfg: ModelConfig,
+  shard,
+  segment_ids=None,
+  dense: Dense = PLAIN,
 ) -> jax.Array:
   """x [batch, seq, embed] -> [batch, seq, embed]; rope = (cos, sin) from rope.rope_tables;
-  segment_ids [batch, seq] or None (see dot_product_attention)."""
+  segment_ids [batch, seq] or None (see dot_product_attention); dense runs the projections' GEMMs
+  (layers/linear.py: group "attention")."""
   eps, nope = cfg.normalization_layer_epsilon, cfg.qk_nope_head_dim
   with jax.named_scope("mla_q"):
     if cfg.q_lora_rank > 0:
-      q = rms_norm(checkpoint_name(jnp.einsum("bsd,dr->bsr", x, p["wq_a"]), "mla_q"), p["q_norm"], eps)
-      q = jnp.einsum("bsr,rhk->bshk", q, p["wq_b"])
+      q = rms_norm(checkpoint_name(dense("bsd,dr->bsr", x, p["wq_a"], "attention"), "mla_q"), p["q_norm"], eps)
+      q = dense("bsr,rhk->bshk", q, p["wq_b"], "attention")
     else:
-      q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
+      q = dense("bsd,dhk->bshk", x, p["wq"], "attention")
     q = shard(q, ("batch", "seq", "act_heads", None))
     q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], *rope)
 
   with jax.named_scope("mla_kv"):
-    kv_a = checkpoint_name(jnp.einsum("bsd,dr->bsr", x, p["wkv_a"]), "mla_kv")
+    kv_a = checkpoint_name(dense("bsd,dr->bsr", x, p["wkv_a"], "attention"), "mla_kv")
     latent = rms_norm(kv_a[..., : cfg.kv_lora_rank], p["kv_norm"], eps)
     k_rope = apply_rope(kv_a[..., None, cfg.kv_lora_rank :], *rope)[:, :, 0, :]  # one head, shared
-    kv = shard(jnp.einsum("bsr,rhk->bshk", latent, p["wkv_b"]), ("batch", "seq", "act_heads", None))
+    kv = shard(dense("bsr,rhk->bshk", latent, p["wkv_b"], "attention"), ("batch", "seq", "act_heads", None))
     k_nope, v = kv[..., :nope], kv[..., nope:]
 
   with jax.named_scope("attention"):
@@ -132,4 +140,4 @@ def mla(
     out = checkpoint_name(out, "attention_out")
 
   with jax.named_scope("attention_out"):
-    return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, p["wo"]), "out_proj")
+    return checkpoint_name(dense("bshk,hkd->bsd", out, p["wo"], "attention"), "out_proj")

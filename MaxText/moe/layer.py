@@ -19,6 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import gmm
 from MaxText.config_schema import MoEConfig
 from MaxText.gmm.base import ExpertGemm
+from MaxText.layers import linear
+from MaxText.layers.linear import PLAIN, Dense
 from MaxText.layers.mlp import mlp, mlp_specs
 from MaxText.moe import ep, router
 from MaxText.moe.dispatch import get_dispatcher
@@ -70,18 +72,21 @@ def routed_experts(p: dict, rows: jax.Array, group_sizes: jax.Array, gemm: Exper
 def expert_gemm(cfg: MoEConfig) -> ExpertGemm:
   """The expert GEMM of `cfg`, whose moe_gmm_backend the Trainer resolved (and logged); mxfp8_impl=auto is
   decided here for the default device when a layer is built on its own."""
-  name = gmm.entry_name(cfg.quantization, cfg.moe_gmm_backend, gmm.resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0]))
+  quantization = cfg.quantization if "experts" in linear.parse_groups(cfg.quantize_layers) else ""
+  name = gmm.entry_name(quantization, cfg.moe_gmm_backend, gmm.resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0]))
   return gmm.build(name, gmm.Options(cfg.quantize_with_activation, cfg.quantize_before_permute))
 
 
-def moe(p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard) -> tuple[jax.Array, MoEStats]:
-  """x [batch, seq, embed] -> ([batch, seq, embed], stats)."""
+def moe(
+  p: dict, x: jax.Array, bias: jax.Array, cfg: MoEConfig, shard, dense: Dense = PLAIN
+) -> tuple[jax.Array, MoEStats]:
+  """x [batch, seq, embed] -> ([batch, seq, embed], stats); dense runs the shared experts' GEMMs."""
   batch, seq, d = x.shape
   tokens = x.reshape(batch * seq, d)
   shared = None
   if cfg.shared_experts:  # independent of the routed path, so it can overlap the dispatch
     with jax.named_scope("shared_experts"):
-      shared = mlp(p["shared"], x, shard)
+      shared = mlp(p["shared"], x, shard, dense, "shared_experts")
   with jax.named_scope("router"):
     r = router.route(tokens, p["gate"], bias, cfg)
   balance = (
