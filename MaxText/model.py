@@ -135,11 +135,14 @@ def _run_stack(stack: dict, x, biases, rope, m: ModelConfig, moe_cfg: MoEConfig,
   return x, None if biases is None else jax.tree.map(lambda *s: jnp.stack(s), *all_stats)
 
 
-def _cross_entropy(h, head, targets, mask, m: ModelConfig):
+def _cross_entropy(h, head, targets, mask, m: ModelConfig, shard):
   """Mean token cross-entropy of logits = h @ head over the weighted tokens, chunked over tokens so that the
-  float32 logits never exist whole (MaxText/layers/loss_head.py)."""
+  float32 logits never exist whole (MaxText/layers/loss_head.py). loss_chunk_tokens counts rows per device."""
   dot_dtype = jnp.float32 if m.logits_dot_in_fp32 else h.dtype
-  total = chunked_cross_entropy(h, head, targets, mask, chunk_tokens=m.loss_chunk_tokens, dot_dtype=dot_dtype)
+  rows_split = shard.devices_along("batch") if getattr(shard, "mesh", None) is not None else 1
+  total = chunked_cross_entropy(
+    h, head, targets, mask, chunk_tokens=m.loss_chunk_tokens * rows_split, dot_dtype=dot_dtype, shard=shard
+  )
   return total / jnp.maximum(jnp.sum(mask), 1.0)
 
 
@@ -188,7 +191,7 @@ def _forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: Mo
 
   with jax.named_scope("head"):
     normed = rms_norm(x, p["final_norm"], eps)
-    ce = _cross_entropy(normed, p["head"], batch.targets, batch.mask, m)
+    ce = _cross_entropy(normed, p["head"], batch.targets, batch.mask, m, shard)
     logits = _logits(normed, p["head"], m) if with_logits else None
 
   mtp_ce, mtp_stats = jnp.zeros((), jnp.float32), no_stats
@@ -236,7 +239,7 @@ def _mtp(p, hidden, biases, batch: Batch, rope, m: ModelConfig, moe_cfg: MoEConf
     h = jnp.einsum("bsc,cd->bsd", merged, mp["proj"])
     h, stats = decoder_layer(mp["layer"], h, b, rope, m, moe_cfg, shard, seg)
     with jax.named_scope("head"):  # the shared output projection, attributed as the main one's (MaxText/profile.py)
-      ce = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, loss_mask, m)
+      ce = _cross_entropy(rms_norm(h, mp["final_norm"], eps), p["head"], targets, loss_mask, m, shard)
     return (h, inputs, targets, mask, shifted_seg), (ce, stats)
 
   module = remat.remat(module, m, scanned=True)

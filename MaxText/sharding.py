@@ -113,3 +113,11 @@ class Sharder:
 
   def named(self, axes: tuple[str | None, ...]) -> NamedSharding:
     return NamedSharding(self.mesh, logical_to_spec(axes))
+
+  def devices_along(self, axis: str) -> int:
+    """How many devices a logical axis is split over (1 without a mesh)."""
+    if self.mesh is None:
+      return 1
+    spec = logical_to_spec((axis,))[0]
+    names = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([self.mesh.shape[a] for a in names], dtype=np.int64))

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from MaxText import model, params
 from MaxText.layers.loss_head import chunked_cross_entropy
-from MaxText.sharding import Sharder
+from MaxText.sharding import MESH_AXES, Sharder
 
 BF16_GRAD_TOL = 2**-7  # of max |gradient|, per entry
 
@@ -156,3 +156,48 @@ def test_model_loss_is_the_mean_nll_of_the_logits_for_any_chunking(tiny_config):
   assert float(loss1) == pytest.approx(float(loss0), rel=1e-5)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("gathered_once", [False, True])
+def test_a_head_sharded_along_d_is_gathered_once_not_per_chunk(gathered_once):
+  """FSDP: head [D, V] split along D over the devices that also split the tokens. Without the Sharder
+  the partitioner gathers the head (and reduce-scatters its gradient) inside the chunk loop, once per
+  chunk; with it, every collective runs once per step (MaxText/plan/collectives.py counts loop trips)."""
+  from MaxText.plan import collectives
+
+  mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4, 1, 1), MESH_AXES)
+  args = _inputs(shape=(512,), d=64, vocab=96)
+  rows, by_d = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec("fsdp", None))
+  sharded = [jax.device_put(a, s) for a, s in zip(args, (rows, by_d, rows, rows))]
+  shard = Sharder(Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4, 1, 1), MESH_AXES)) if gathered_once else None
+
+  def loss(h, head, targets, weights):
+    return chunked_cross_entropy(h, head, targets, weights, chunk_tokens=128, shard=shard)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), out_shardings=(None, (rows, by_d)))
+  found = collectives.parse(fn.lower(*sharded).compile().as_text())
+  in_loop = [c.name for c in found if c.count > 1]
+  assert found and (not in_loop if gathered_once else in_loop), [(c.name, c.kind, c.count) for c in found]
+  value, grads = fn(*sharded)
+  ref_value, ref_grads = _value_and_grads(_reference, *args)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+def test_loss_chunk_tokens_counts_rows_per_device(tiny_config):
+  """loss_chunk_tokens=8 with 32 tokens: 4 chunks on one device, 1 chunk when the rows are split 4 ways."""
+  cfg = tiny_config("loss_chunk_tokens=8")
+  p = params.initialize(model.model_specs(cfg.model, cfg.moe), jax.random.key(0), jnp.float32, 0.02)
+  bias = model.bias_state(cfg.model, cfg.moe)
+  tokens = jax.random.randint(jax.random.key(1), (4, 9), 0, cfg.model.vocab_size)
+  batch = model.Batch(tokens[:, :-1], tokens[:, 1:], jnp.ones((4, 8), jnp.float32))
+  vocab = cfg.model.vocab_size
+
+  def logits_shapes(shard):
+    text = str(jax.make_jaxpr(lambda p: model.loss_fn(p, bias, batch, cfg.model, cfg.moe, shard)[0])(p))
+    return set(re.findall(rf"f32\[(\d+),{vocab}\]", text)) - {str(cfg.model.base_emb_dim)}  # less dhead [D, V]
+
+  assert logits_shapes(Sharder()) == {"8"}
+  mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4, 1, 1), MESH_AXES)
+  assert logits_shapes(Sharder(mesh)) == {"32"}
