@@ -7,6 +7,9 @@
   grain         data/sources.py (files)    local ArrayRecord / Parquet / JSON lines / text files
   hf            data/sources.py (hf)       Hugging Face `datasets` from local files or a saved dataset
 
+`python -m MaxText.data.pretokenize` (data/pretokenize.py) turns a large text corpus into sharded
+ArrayRecord files of token ids that dataset_type=grain reads with tokenize_train_data=false.
+
 Real datasets all run through one grain pipeline (data/pipeline.py): this
 process's share of the documents, shuffled per epoch, tokenized
 (data/tokenizers.py), cut into pieces of at most max_target_length + 1 tokens,
@@ -17,9 +20,18 @@ would have seen.
 """
 
 from MaxText.config_schema import DataConfig
-from MaxText.data.synthetic import SyntheticData, SyntheticIterator
 
 __all__ = ["SyntheticData", "SyntheticIterator", "make_iterator"]
+
+
+def __getattr__(name: str):
+  # synthetic.py imports the model (and so JAX); loaded on first use so that tools that only read files
+  # (python -m MaxText.data.pretokenize and its worker processes) start without JAX.
+  if name in ("SyntheticData", "SyntheticIterator"):
+    from MaxText.data import synthetic
+
+    return getattr(synthetic, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_iterator(
@@ -38,6 +50,8 @@ def make_iterator(
   otherwise) before anything is written.
   """
   if cfg.dataset_type == "synthetic":
+    from MaxText.data.synthetic import SyntheticData, SyntheticIterator
+
     return SyntheticIterator(SyntheticData(cfg, global_batch, seq_len, vocab_size), process_index, process_count)
   from MaxText.data import pipeline
 

@@ -4,6 +4,8 @@
     -> this process's share: every process_count-th document, from process_index
     -> shuffled (a new permutation each epoch, from data_shuffle_seed), repeated forever
     -> token ids: tokenizer (tokenizers.py) + optional BOS/EOS, or the column's ids as they are
+       (a corpus pre-tokenized by pretokenize.py); read, parsed and tokenized ahead by threads
+       (read_options)
     -> pieces of at most max_target_length + 1 tokens (a long document becomes several)
     -> each piece as (inputs = piece[:-1], targets = piece[1:])
     -> packing: first-fit into rows with segment ids (1, 2, ... per piece, 0 = padding)
@@ -16,11 +18,13 @@ pins the exact position, so a restored iterator yields the same batches as the
 original would have.
 """
 
+import os
+
 import numpy as np
 
 from MaxText.config_schema import DataConfig
 from MaxText.data import sources
-from MaxText.data.tokenizers import load_tokenizer
+from MaxText.data.tokenizers import DocumentEncoder, load_tokenizer
 from MaxText.errors import UserError
 from MaxText.model import Batch
 
@@ -29,33 +33,27 @@ class Tokenize:
   """A document (text or token ids) -> int32 token ids, with BOS/EOS as configured."""
 
   def __init__(self, cfg: DataConfig, vocab_size: int):
-    self.tok = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path) if cfg.tokenize_train_data else None
     self.vocab_size = vocab_size
-    self.bos = self.eos = None
-    if self.tok is not None:
-      if self.tok.vocab_size > vocab_size:
+    self.encoder = None
+    if cfg.tokenize_train_data:
+      tok = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+      if tok.vocab_size > vocab_size:
         raise UserError(
-          f"tokenizer {cfg.tokenizer_path} has {self.tok.vocab_size} tokens "
-          f"but vocab_size={vocab_size}; raise vocab_size"
+          f"tokenizer {cfg.tokenizer_path} has {tok.vocab_size} tokens but vocab_size={vocab_size}; raise vocab_size"
         )
-      for flag, token_id, name in ((cfg.add_bos, self.tok.bos_id, "BOS"), (cfg.add_eos, self.tok.eos_id, "EOS")):
-        if flag and token_id is None:
-          raise UserError(f"tokenizer {cfg.tokenizer_path} has no {name} token; set add_{name.lower()}=false")
-      self.bos = self.tok.bos_id if cfg.add_bos else None
-      self.eos = self.tok.eos_id if cfg.add_eos else None
+      self.encoder = DocumentEncoder(
+        tok, cfg.tokenizer_path, cfg.add_bos, cfg.add_eos, switch_off=lambda name: f"set add_{name}=false"
+      )
 
   def __call__(self, document) -> np.ndarray:
-    if self.tok is None:
+    if self.encoder is None:
       ids = np.asarray(document, np.int64).reshape(-1)
       if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
         raise ValueError(
           f"token id {ids.max() if ids.max() >= self.vocab_size else ids.min()} is outside vocab_size={self.vocab_size}"
         )
       return ids.astype(np.int32)
-    text = document.decode("utf-8") if isinstance(document, bytes) else str(document)
-    ids = self.tok.encode(text)
-    ids = ([self.bos] if self.bos is not None else []) + ids + ([self.eos] if self.eos is not None else [])
-    return np.asarray(ids, np.int32)
+    return np.asarray(self.encoder.ids(document), np.int32)
 
 
 def pieces(ids: np.ndarray, seq_len: int) -> list[dict]:
@@ -100,9 +98,35 @@ class BatchIterator:
     self.it.set_state(state)
 
 
+MAX_READ_THREADS = 16
+READ_BUFFER_PER_THREAD = 4
+
+
+def read_options(threads: int | None = None):
+  """Threads that read, parse and tokenize documents ahead of packing, and how many documents they keep ready.
+
+  The threads do not change what the iterator yields (grain keeps the order), only how fast. The tokenizer
+  libraries release the GIL while encoding, so on-the-fly tokenization scales with them. grain's default
+  buffer (500 documents) costs more than it saves: every element scans it (pre-tokenized ArrayRecord at the
+  proxy's batch shape, 2 CPU cores: 0.47M tokens/s with it, 1.9M with 4 documents a thread).
+  """
+  import grain
+
+  threads = threads if threads is not None else min(MAX_READ_THREADS, os.cpu_count() or 1)
+  return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=READ_BUFFER_PER_THREAD * max(threads, 1))
+
+
 def make_iterator(
-  cfg: DataConfig, *, local_batch: int, seq_len: int, vocab_size: int, process_index: int = 0, process_count: int = 1
+  cfg: DataConfig,
+  *,
+  local_batch: int,
+  seq_len: int,
+  vocab_size: int,
+  process_index: int = 0,
+  process_count: int = 1,
+  read_threads: int | None = None,
 ):
+  """`read_threads`: see read_options (None = one a CPU core, at most MAX_READ_THREADS)."""
   import grain
   from grain.experimental import FirstFitPackIterDataset, FlatMapIterDataset, FlatMapTransform
 
@@ -122,7 +146,7 @@ def make_iterator(
   ds = grain.MapDataset.source(source)[process_index::process_count]
   if cfg.enable_data_shuffling:
     ds = ds.shuffle(seed=cfg.data_shuffle_seed)
-  ds = ds.repeat(None).map(tokenize).to_iter_dataset()
+  ds = ds.repeat(None).map(tokenize).to_iter_dataset(read_options(read_threads))
   ds = FlatMapIterDataset(ds, Pieces())
   if cfg.packing:
     lengths = {"inputs": seq_len, "targets": seq_len}

@@ -99,13 +99,37 @@ class HuggingFace:
 TOKENIZERS = {"sentencepiece": SentencePiece, "tiktoken": TikToken, "huggingface": HuggingFace}
 
 
-def load_tokenizer(kind: str, path: str):
-  """The tokenizer of type `kind` (a TOKENIZERS key) from `path`; UserError if it cannot be read."""
+def load_tokenizer(kind: str, path: str, what: str = "tokenizer_path"):
+  """The tokenizer of type `kind` (a TOKENIZERS key) from `path`; UserError if it cannot be read.
+
+  `what` names the setting that gave the path in the message (a config key, or a command-line flag).
+  """
   p = Path(path).expanduser()
   if not p.exists():
-    raise UserError(f"tokenizer_path {path} does not exist")
+    raise UserError(f"{what} {path} does not exist")
   try:
     return TOKENIZERS[kind](p)
   except Exception as e:  # noqa: BLE001 - each library reports a bad file its own way
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise UserError(f"tokenizer_path {path} is not a readable {kind} tokenizer: {detail}") from None
+    raise UserError(f"{what} {path} is not a readable {kind} tokenizer: {detail}") from None
+
+
+class DocumentEncoder:
+  """A document's text -> its token ids as training sees them: BOS + tokenizer ids + EOS, each if asked for.
+
+  The one definition both tokenize-as-you-train (pipeline.Tokenize) and pre-tokenization (pretokenize.py) use,
+  so that a pre-tokenized corpus feeds exactly the ids on-the-fly tokenization would.
+  `switch_off(name)` says how to turn a missing BOS/EOS off in the caller's terms (a config key, a flag).
+  """
+
+  def __init__(self, tok, path: str, add_bos: bool, add_eos: bool, switch_off):
+    for flag, token_id, name in ((add_bos, tok.bos_id, "BOS"), (add_eos, tok.eos_id, "EOS")):
+      if flag and token_id is None:
+        raise UserError(f"tokenizer {path} has no {name} token; {switch_off(name.lower())}")
+    self.tok = tok
+    self.prefix = [tok.bos_id] if add_bos else []
+    self.suffix = [tok.eos_id] if add_eos else []
+
+  def ids(self, document) -> list[int]:
+    text = document.decode("utf-8") if isinstance(document, bytes) else str(document)
+    return self.prefix + self.tok.encode(text) + self.suffix
