@@ -16,6 +16,9 @@ resumed run needs to continue bit for bit.
 A resume checks the checkpoint against the config first: the data stream's keys
 must match (else the data state means nothing) and the train state's tree,
 shapes and dtypes must match; otherwise a UserError names the keys that differ.
+Under batch_size_schedule the data state counts microbatches and each step's
+count follows from the schedule and the step, so the schedule is one of the
+data stream's keys.
 """
 
 import dataclasses
@@ -29,7 +32,9 @@ from MaxText.config import Config
 from MaxText.errors import UserError
 
 # The keys that decide which batches the data iterator yields: a resume must not change them.
-DATA_KEYS_FROM_TRAIN = ("per_device_batch_size", "max_target_length")
+DATA_KEYS_FROM_TRAIN = ("per_device_batch_size", "max_target_length", "batch_size_schedule")
+# What a key added after checkpoints were written means in them: the value that kept the old behaviour.
+ABSENT_MEANS = {"batch_size_schedule": ""}
 # Sections whose keys can change the train state's tree, shapes or dtypes (listed when they differ).
 STATE_SECTIONS = ("model", "moe", "optimizer")
 
@@ -83,10 +88,13 @@ def _leaf_map(tree, is_leaf=None) -> dict[str, tuple[tuple[int, ...], str]]:
 class Checkpointer:
   """Saves and restores one run's checkpoints under `directory`."""
 
-  def __init__(self, directory: Path, cfg: Config, abstract_state, global_batch: int):
+  def __init__(self, directory: Path, cfg: Config, abstract_state, global_batch: int, data_batch: int | None = None):
+    """data_batch: sequences per batch of the data iterator when not a step's (batch_size_schedule)."""
     self.directory, self.cfg = Path(directory).absolute(), cfg  # orbax takes absolute paths only
     self.abstract_state = abstract_state  # ShapeDtypeStructs with shardings: the restore target
     self.identity = {"process_count": jax.process_count(), "global_batch": global_batch}
+    if data_batch is not None and data_batch != global_batch:
+      self.identity["data_batch"] = data_batch
     self.last_saved: int | None = None
     t = cfg.train
     options = ocp.CheckpointManagerOptions(
@@ -117,7 +125,9 @@ class Checkpointer:
     where = self.directory / str(step)
     saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
     now = {**self.cfg.to_flat_dict(), **self.identity}
-    data_keys = [f.name for f in dataclasses.fields(self.cfg.data)] + list(DATA_KEYS_FROM_TRAIN) + list(self.identity)
+    data_keys = [f.name for f in dataclasses.fields(self.cfg.data)] + list(DATA_KEYS_FROM_TRAIN)
+    data_keys += list(dict.fromkeys([*self.identity, "data_batch"]))  # data_batch: also where one side has none
+    saved = {**ABSENT_MEANS, **saved}
     changed = [k for k in data_keys if saved.get(k) != now.get(k)]
     if changed:
       raise UserError(

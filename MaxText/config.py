@@ -285,6 +285,15 @@ def _check_consistency(cfg: Config, origin: dict[str, str]) -> None:
       "gradient_accumulation_steps",
       f"per_device_batch_size={t.per_device_batch_size} is not divisible by {t.gradient_accumulation_steps}",
     )
+  if t.gradient_accumulation_host_offload and t.gradient_accumulation_steps == 1:
+    fail("gradient_accumulation_host_offload", "there is no gradient sum with gradient_accumulation_steps=1")
+  if t.batch_size_schedule:
+    from MaxText import schedules
+
+    try:
+      schedules.check_batch(t.batch_size_schedule, "batch_size_schedule")
+    except UserError as e:
+      fail("batch_size_schedule", str(e).removeprefix("batch_size_schedule: "))
   if cfg.optimizer.learning_rate_schedule_steps == 0 or cfg.optimizer.learning_rate_schedule_steps < -1:
     fail("learning_rate_schedule_steps", "must be -1 (use steps) or a positive number of steps")
   _check_remat(m, origin, fail)

@@ -251,6 +251,8 @@ class TrainConfig:
   per_device_batch_size: int = at_least(1)
   max_target_length: int = at_least(2)
   gradient_accumulation_steps: int = at_least(1)
+  # The global batch over the run in sequences, in whole microbatches ("" = per_device_batch_size x devices).
+  batch_size_schedule: str
   steps: int = at_least(1)
   # Values scheduled over the run, in steps or tokens ("" = the constant key; MaxText/schedules.py).
   mtp_loss_scaling_factor_schedule: str
@@ -273,6 +275,8 @@ class TrainConfig:
   # Host offload of the train state (pinned host memory between steps, moved to the device inside the step).
   optimizer_memory_host_offload: bool
   parameter_memory_host_offload: bool
+  # The float32 gradient sum of gradient_accumulation_steps microbatches in pinned host memory between them.
+  gradient_accumulation_host_offload: bool
   # XLA flags and environment, applied before JAX starts (MaxText/runtime_env.py).
   xla_flag_presets: str
   xla_flags: str

@@ -20,6 +20,10 @@ def format_line(step: int, m: dict) -> str:
     f"MFU {mfu}",
     f"experts max/mean {m['expert_load_max']:.0f}/{m['expert_load_mean']:.1f}",
   ]
+  if m.get("data_wait_s") is not None:  # the loop blocked this long on the data iterator for this step's batch
+    parts.insert(5, f"data {m['data_wait_s'] * 1000:.1f} ms")
+  if m.get("batch_size"):
+    parts.insert(1, f"batch {m['batch_size']}")
   if m.get("mtp_loss"):
     parts.append(f"mtp {m['mtp_loss']:.4f}")
   if m.get("dropped_tokens"):
@@ -30,6 +34,8 @@ def format_line(step: int, m: dict) -> str:
     parts.append(f"EP OVERFLOW {m['ep_overflow']}")
   if m.get("profiled"):
     parts.append("profiling (time not representative)")
+  if m.get("compiled"):
+    parts.append("compiled first (time not representative)")
   return " | ".join(parts)
 
 

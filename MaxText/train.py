@@ -4,7 +4,8 @@ config (validated, nothing written yet) -> mesh -> data (opened and checked)
 -> latest checkpoint (checked against the config) -> run directory -> state
 (restored, or initialised) -> compile the step (with progress) -> loop: data ->
 step -> metrics, a checkpoint every checkpoint_period steps, at the end and on
-SIGTERM.
+SIGTERM. Under batch_size_schedule each step reads its microbatches from the
+data iterator one by one and runs the step compiled for their number.
 
 Exit codes: 0 finished; 2 bad input (one `error:` line, nothing written);
 1 the loss went NaN/Inf under nan_policy=stop (the last checkpoint is intact);
@@ -91,7 +92,9 @@ def describe(cfg: Config, trainer, flops_per_token: float) -> str:
     f"{flops_per_token / 1e9:.3f} GFLOP/token (training)\n"
     f"devices: {jax.device_count()} x {d.device_kind} ({d.platform}), {jax.process_count()} process(es); mesh {mesh}\n"
     f"batch: {trainer.global_batch} sequences x {cfg.train.max_target_length} tokens, "
-    f"{cfg.train.gradient_accumulation_steps} microbatch(es); moe_dispatch={cfg.moe.moe_dispatch} "
+    f"{cfg.train.gradient_accumulation_steps} microbatch(es)"
+    + (f" (at most: batch_size_schedule '{cfg.train.batch_size_schedule}')" if trainer.batch_sizes else "")
+    + f"; moe_dispatch={cfg.moe.moe_dispatch} "
     f"expert GEMM {trainer.expert_gemm}" + f"; dtype={cfg.model.dtype} weights={cfg.model.weight_dtype}"
   )
 
@@ -177,10 +180,11 @@ def prepare(cfg: Config) -> Run:
   t = cfg.train
   mesh = make_mesh(cfg.mesh)
   trainer = Trainer(cfg, mesh)
+  # Under batch_size_schedule the iterator yields microbatches, as many per step as the step runs.
   data = make_iterator(
     cfg.data,
-    local_batch=trainer.global_batch // jax.process_count(),
-    global_batch=trainer.global_batch,
+    local_batch=trainer.data_batch // jax.process_count(),
+    global_batch=trainer.data_batch,
     seq_len=t.max_target_length,
     vocab_size=cfg.model.vocab_size,
     process_index=jax.process_index(),
@@ -189,7 +193,7 @@ def prepare(cfg: Config) -> Run:
   run_dir = run_directory(cfg)
   abstract = checkpointing.with_shardings(trainer.abstract_state(), trainer.state_shardings)
   ckpt = (
-    checkpointing.Checkpointer(run_dir / "checkpoints", cfg, abstract, trainer.global_batch)
+    checkpointing.Checkpointer(run_dir / "checkpoints", cfg, abstract, trainer.global_batch, trainer.data_batch)
     if t.enable_checkpointing
     else None
   )
@@ -253,11 +257,11 @@ def initial_state(run: Run):
   return state, 0
 
 
-def compile_step(run: Run, state, batch):
+def compile_step(run: Run, state, batch, microbatches: int | None = None):
   """(the compiled step, seconds it took), with a heartbeat while XLA works and the memory it plans."""
   compile_start = time.perf_counter()
   with progress("Compiling the training step", run.cfg.train.compile_heartbeat_seconds):
-    step_fn = run.trainer.jit_step().lower(state, batch).compile()
+    step_fn = run.trainer.jit_step(microbatches).lower(state, batch).compile()
   compile_s = time.perf_counter() - compile_start
   mem = step_fn.memory_analysis()
   if mem is not None:
@@ -270,6 +274,46 @@ def compile_step(run: Run, state, batch):
   return step_fn, compile_s
 
 
+class StepFunctions:
+  """The compiled step for each step of the run. Under batch_size_schedule: one per microbatch count, compiled
+  at its first step (all take the same arguments, so any state and batch lower it) and dropped once no later
+  step runs that count; otherwise the one compiled step."""
+
+  def __init__(self, run: Run, first, first_step: int):
+    self.run = run
+    self.compiled = {self._count(first_step): first}
+    self.compiled_at: set[int] = set()  # steps that compiled a step first (their time includes it)
+
+  def _count(self, step: int) -> int | None:
+    return self.run.trainer.microbatches(step) if self.run.trainer.batch_sizes else None
+
+  def __call__(self, step: int, state, batch):
+    n = self._count(step)
+    if n not in self.compiled:
+      trainer = self.run.trainer
+      later = trainer.batch_sizes.counts_from(step)
+      self.compiled = {k: fn for k, fn in self.compiled.items() if k in later}
+      with progress(
+        f"Compiling the training step for {n} microbatch(es) ({trainer.batch_sizes.sequences(step)} sequences)",
+        self.run.cfg.train.compile_heartbeat_seconds,
+      ):
+        self.compiled[n] = trainer.jit_step(n).lower(state, batch).compile()
+      self.compiled_at.add(step)
+    return self.compiled[n]
+
+
+def next_batch(trainer, data, step: int):
+  """(step `step`'s batch on the devices, seconds the loop waited for it): the data iterator's next batch, or
+  under batch_size_schedule its next microbatches, as many as the step runs."""
+  start = time.perf_counter()
+  if trainer.batch_sizes:
+    host = trainer.host_batch([next(data) for _ in range(trainer.microbatches(step))])
+  else:
+    host = next(data)
+  batch = trainer.device_batch(host)
+  return batch, time.perf_counter() - start
+
+
 class StepLog:
   """Each step's metrics, fetched one step late so that the device never waits for the host: logged every
   log_period steps (and at the last, a non-finite or an overflowing one), kept in `history`.
@@ -280,8 +324,9 @@ class StepLog:
     from MaxText.metrics import StepClock
 
     self.run, self.writer, self.profiler, self.start = run, writer, profiler, start
-    self.tokens_per_step = run.trainer.global_batch * run.cfg.train.max_target_length
     self.clock = StepClock()
+    self.data_wait: dict[int, float] = {}  # step -> seconds the loop waited for its batch
+    self.compiled_at: set[int] = set()  # steps whose time includes compiling the step (batch_size_schedule)
     self.history: list[dict] = []
     self.pending = None  # (step, metrics on device)
 
@@ -301,11 +346,13 @@ class StepLog:
     (step, metrics), self.pending = self.pending, None
     run, t = self.run, self.run.cfg.train
     values = {k: v.item() for k, v in jax.device_get(metrics).items()}
-    values.update(
-      rates(self.clock.step_time(step), self.tokens_per_step, run.mesh.size, run.flops_per_token, run.peak_tflops)
-    )
+    tokens = run.trainer.tokens.at(step)  # this step's own under batch_size_schedule
+    values.update(rates(self.clock.step_time(step), tokens, run.mesh.size, run.flops_per_token, run.peak_tflops))
+    values["data_wait_s"] = self.data_wait.pop(step)
     if self.profiler and self.profiler.first <= step <= self.profiler.first + self.profiler.count:
       values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
+    if step in self.compiled_at:
+      values["compiled"] = 1  # a new microbatch count compiled first: out of the medians
     self.history.append({"step": step, **values})
     finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
     overflow = values.get("ep_overflow", 0)
@@ -364,8 +411,9 @@ def execute(run: Run) -> list[dict]:
   )
 
   state, start = initial_state(run)
-  batch = trainer.device_batch(next(data))
-  step_fn, compile_s = compile_step(run, state, batch)
+  batch, data_wait = next_batch(trainer, data, start)
+  step_fn, compile_s = compile_step(run, state, batch, trainer.microbatches(start) if trainer.batch_sizes else None)
+  step_fns = StepFunctions(run, step_fn, start)
   profiler = None
   if t.profiler and jax.process_index() == 0:
     from MaxText.profile import StepProfiler
@@ -373,6 +421,8 @@ def execute(run: Run) -> list[dict]:
     profiler = StepProfiler(run.run_dir / "profile", run.first_profiled, t.profiler_steps, step_fn.as_text())
   writer = MetricsWriter(run.run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
   log = StepLog(run, writer, profiler, start)
+  log.data_wait[start] = data_wait
+  log.compiled_at = step_fns.compiled_at
   from MaxText import schedules
 
   # Each scheduled value where the run starts, then one line as each changes (known on the host ahead of time).
@@ -385,7 +435,7 @@ def execute(run: Run) -> list[dict]:
           print(line, flush=True)
         if profiler:
           profiler.before(step, state)
-        state, metrics = step_fn(state, batch)
+        state, metrics = step_fns(step, state, batch)(state, batch)
         log.dispatched(step, metrics)
         if profiler:
           profiler.after(step, state)
@@ -402,7 +452,7 @@ def execute(run: Run) -> list[dict]:
           stopped_at = done
           break
         if done < t.steps:
-          batch = trainer.device_batch(next(data))
+          batch, log.data_wait[done] = next_batch(trainer, data, done)
         if not save:
           log.defer(step, metrics)
       log.fetch()
@@ -438,9 +488,9 @@ def summarize(history: list[dict], compile_s: float) -> dict:
 
   import jax
 
-  steady = [h for h in history[2:] if not h.get("profiled")] or history
+  steady = [h for h in history[2:] if not h.get("profiled") and not h.get("compiled")] or history
   summary = {"steps": len(history), "compile_s": compile_s, "final_loss": history[-1]["loss"]}
-  for key in ("step_time_s", "tokens_per_s_per_device", "tflops_per_device", "mfu"):
+  for key in ("step_time_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "data_wait_s"):
     values = [h[key] for h in steady if h.get(key) is not None]
     summary[f"median_{key}"] = statistics.median(values) if values else None
   stats = jax.local_devices()[0].memory_stats() or {}

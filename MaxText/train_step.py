@@ -9,13 +9,28 @@ bias against the observed expert load. A step whose loss or gradient norm is
 not finite leaves params, optimizer state and bias as they were (the step
 counter still advances past the bad batch); the loop then stops or goes on by
 nan_policy.
+
+Under batch_size_schedule a step runs only the first n of those microbatches
+(n from the step, known on the host): the batch argument keeps its full shape
+(the rows of microbatches not run are zeros that are never read), so every
+per-device shape stays that of the full step; one step is compiled per
+distinct n (`jit_step(n)`), each with a static trip count, so that XLA, the
+planner and the profile see the loop they run.
+
+With gradient_accumulation_host_offload the float32 sum over microbatches
+waits in pinned host memory while each microbatch runs and comes to the
+device only to have that microbatch's gradient added: the same additions in
+the same order, with a parameter-sized buffer off the device for the forward
+and backward passes.
 """
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -33,6 +48,19 @@ class TrainState(NamedTuple):
   opt_state: Any
   bias: dict
   step: jax.Array
+
+
+def _check_pinned_host(mesh, key: str) -> None:
+  device = mesh.devices.flat[0]
+  try:
+    kinds = {m.kind for m in device.addressable_memories()}
+  except Exception:  # noqa: BLE001 - a device type without memory spaces in its API
+    return
+  if kinds and host_offload.HOST not in kinds:  # compile-only devices list none: the compiler checks them
+    raise UserError(
+      f"{key} needs a {host_offload.HOST} memory space, which {device.platform} devices ({device.device_kind}) "
+      f"do not have (they have: {', '.join(sorted(kinds))})"
+    )
 
 
 class Trainer:
@@ -56,23 +84,40 @@ class Trainer:
     print(gmm.describe(chosen.name, options, device), flush=True)
     self.cfg, self.mesh = cfg, mesh
     self.specs = model.model_specs(cfg.model, cfg.moe)
-    # Schedules in tokens count global batch x sequence length per step (MaxText/schedules.py).
-    self.tokens_per_step = cfg.train.per_device_batch_size * mesh.size * cfg.train.max_target_length
-    self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps, self.specs, self.tokens_per_step)
-    self.schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps, self.tokens_per_step)
     t = cfg.train
+    # Schedules in tokens count global batch x sequence length per step (MaxText/schedules.py); under
+    # batch_size_schedule, each step's own batch.
+    self.tokens_per_step = t.per_device_batch_size * mesh.size * t.max_target_length  # of a whole step
+    self.batch_sizes = (
+      schedules.BatchSizes(
+        "batch_size_schedule",
+        t.batch_size_schedule,
+        microbatch_sequences=self.global_batch // t.gradient_accumulation_steps,
+        max_microbatches=t.gradient_accumulation_steps,
+        seq_len=t.max_target_length,
+      )
+      if t.batch_size_schedule
+      else None
+    )
+    self.tokens = self.batch_sizes.tokens if self.batch_sizes else schedules.Tokens.constant(self.tokens_per_step)
+    self.optimizer = make_optimizer(cfg.optimizer, t.steps, self.specs, self.tokens)
+    self.schedule = learning_rate_schedule(cfg.optimizer, t.steps, self.tokens)
     self.mtp_weight = (
-      schedules.Schedule("mtp_loss_scaling_factor", t.mtp_loss_scaling_factor_schedule, self.tokens_per_step)
+      schedules.Schedule("mtp_loss_scaling_factor", t.mtp_loss_scaling_factor_schedule, self.tokens)
       if t.mtp_loss_scaling_factor_schedule
       else None
     )
     self.bias_rate = (
-      schedules.Schedule("routed_bias_update_rate", t.routed_bias_update_rate_schedule, self.tokens_per_step)
+      schedules.Schedule("routed_bias_update_rate", t.routed_bias_update_rate_schedule, self.tokens)
       if t.routed_bias_update_rate_schedule
       else None
     )
     # The schedules the log follows (train.py prints each change).
     self.schedules = [s for s in (self.schedule, self.mtp_weight, self.bias_rate) if isinstance(s, schedules.Schedule)]
+    if self.batch_sizes:
+      self.schedules.append(self.batch_sizes)
+    if t.gradient_accumulation_host_offload:
+      _check_pinned_host(mesh, "gradient_accumulation_host_offload")
     self.shard = Sharder(mesh)
     self.batch_sharding = self.shard.named(("batch", "seq"))
     self.device_state_shardings = self._state_shardings()
@@ -83,6 +128,15 @@ class Trainer:
   @property
   def global_batch(self) -> int:
     return self.cfg.train.per_device_batch_size * self.mesh.size
+
+  @property
+  def data_batch(self) -> int:
+    """Sequences per batch of the data iterator: a step's, or under batch_size_schedule a microbatch's."""
+    return self.global_batch // self.cfg.train.gradient_accumulation_steps if self.batch_sizes else self.global_batch
+
+  def microbatches(self, step: int) -> int:
+    """The microbatches step `step` runs."""
+    return self.batch_sizes.microbatches(step) if self.batch_sizes else self.cfg.train.gradient_accumulation_steps
 
   # ---- state ----
   def abstract_state(self) -> TrainState:
@@ -125,10 +179,13 @@ class Trainer:
     return jax.jit(init, out_shardings=self.state_shardings)()
 
   # ---- step ----
-  def _grads(self, p, bias, batch: model.Batch, m=None):
+  def _grads(self, p, bias, batch: model.Batch, m=None, microbatches: int | None = None):
+    """Loss, aux and gradients of the first `microbatches` microbatches (all gradient_accumulation_steps by
+    default), averaged over them."""
     m, moe_cfg = self.cfg.model if m is None else m, self.cfg.moe
     grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
     accum = self.cfg.train.gradient_accumulation_steps
+    runs = accum if microbatches is None else microbatches
     if accum == 1:
       return grad_fn(p, bias, batch, m, moe_cfg, self.shard)
 
@@ -137,36 +194,58 @@ class Trainer:
       return a.reshape(a.shape[0] // accum, accum, *a.shape[1:]).swapaxes(0, 1)
 
     micro = jax.tree.map(split, batch)
+    if runs != accum:  # batch_size_schedule: the first `runs` microbatches; the zero rows after them stay unread
+      micro = jax.tree.map(lambda a: a[:runs], micro)
+
+    offload = self.cfg.train.gradient_accumulation_host_offload
+    to_host = lambda t: jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), t)  # noqa: E731
+    to_device = lambda t: jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), t)  # noqa: E731
 
     def body(acc, mb):
       (loss, aux), g = grad_fn(p, bias, model.Batch(*mb), m, moe_cfg, self.shard)
       acc_g, acc_loss, acc_aux = acc
+      if offload:
+        # The sum comes back from host memory only once this microbatch's gradient exists: without the
+        # barrier XLA may start the copy as the body starts and hold the sum on the device through the
+        # forward and backward passes, which is the memory the offload is for.
+        g, acc_g = jax.lax.optimization_barrier((g, acc_g))
+        acc_g = to_device(acc_g)
       acc_g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)
+      if offload:
+        acc_g = to_host(acc_g)
       acc_aux = jax.tree.map(jnp.add, acc_aux, aux)
       return (acc_g, acc_loss + loss, acc_aux), None
 
     zero_g = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+    if offload:
+      zero_g = to_host(zero_g)
     aux_shape = jax.eval_shape(
       lambda mb: grad_fn(p, bias, model.Batch(*mb), m, moe_cfg, self.shard)[0][1], jax.tree.map(lambda a: a[0], micro)
     )
     zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux_shape)
     (g, loss, aux), _ = jax.lax.scan(body, (zero_g, jnp.zeros((), jnp.float32), zero_aux), micro)
-    mean = lambda x: x / accum  # noqa: E731
+    if offload:
+      g = to_device(g)
+    mean = lambda x: x / runs  # noqa: E731
     # Loads and dropped counts are totals over the step; losses are means over microbatches.
     aux = aux._replace(ce=mean(aux.ce), mtp=mean(aux.mtp), balance=mean(aux.balance))
-    return (loss / accum, aux), jax.tree.map(lambda a, x: mean(a).astype(x.dtype), g, p)
+    return (loss / runs, aux), jax.tree.map(lambda a, x: mean(a).astype(x.dtype), g, p)
 
   def host_offload_description(self) -> str:
     return host_offload.describe(self.cfg.train)
 
-  def step(self, state: TrainState, batch: model.Batch) -> tuple[TrainState, dict]:
+  def step(self, state: TrainState, batch: model.Batch, microbatches: int | None = None) -> tuple[TrainState, dict]:
+    """One training step over the first `microbatches` microbatches of `batch` (all by default)."""
     state = host_offload.to_device(state, self.device_state_shardings, self.cfg.train)
     m, extra = self.cfg.model, {}
     # Scheduled values are traced functions of the step: one compiled step for all of them.
     if self.mtp_weight is not None:
       extra["mtp_loss_scaling_factor"] = self.mtp_weight(state.step)
       m = dataclasses.replace(m, mtp_loss_scaling_factor=extra["mtp_loss_scaling_factor"])
-    (loss, aux), grads = self._grads(state.params, state.bias, batch, m)
+    (loss, aux), grads = self._grads(state.params, state.bias, batch, m, microbatches)
+    if self.batch_sizes:  # sequences this step ran
+      runs = self.cfg.train.gradient_accumulation_steps if microbatches is None else microbatches
+      extra["batch_size"] = jnp.int32(runs * self.batch_sizes.micro)
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -207,13 +286,30 @@ class Trainer:
     metrics["nonfinite"] = (~ok).astype(jnp.int32)
     return TrainState(new_params, opt_state, bias, state.step + 1), metrics
 
-  def jit_step(self):
+  def jit_step(self, microbatches: int | None = None):
+    """The jitted step; `microbatches` (batch_size_schedule) runs only the first that many microbatches."""
     return jax.jit(
-      self.step,
+      self.step if microbatches is None else functools.partial(self.step, microbatches=microbatches),
       in_shardings=(self.state_shardings, self.batch_sharding),
       out_shardings=(self.state_shardings, None),
       donate_argnums=(0,),
     )
+
+  def host_batch(self, microbatches: list[model.Batch]) -> model.Batch:
+    """This process's rows of the step from its rows of each microbatch run (batch_size_schedule): microbatch
+    i at local rows i, i+accum, ... (where _grads reads it; a process's rows are a contiguous block of the
+    global batch, a whole number of accum-row groups), zeros where no microbatch runs this step."""
+    accum = self.cfg.train.gradient_accumulation_steps
+
+    def rows(parts):
+      if parts[0] is None:
+        return None
+      out = np.zeros((parts[0].shape[0], accum, *parts[0].shape[1:]), parts[0].dtype)
+      for i, part in enumerate(parts):
+        out[:, i] = part
+      return out.reshape(-1, *parts[0].shape[1:])
+
+    return model.Batch(*(rows([mb[f] for mb in microbatches]) for f in range(len(model.Batch._fields))))
 
   def device_batch(self, host_batch: model.Batch) -> model.Batch:
     """This process's rows (numpy) -> global arrays; optional fields left None stay None."""

@@ -52,8 +52,9 @@ def test_paper_learning_rate_at_its_boundaries(pretrain):
 
 
 def test_paper_schedules_at_the_recipe_batch(pretrain):
-  """At the recipe's 15,360 x 4,096 tokens per step a boundary in tokens takes effect at the first step
-  that has seen that many tokens."""
+  """At a constant 15,360 x 4,096 tokens per step (the recipe's batch once its ramp is over; the ramp's own
+  token count is tested in test_batch_ramp.py) a boundary in tokens takes effect at the first step that has
+  seen that many tokens."""
   tps = 15360 * 4096
   assert pretrain.train.per_device_batch_size * 128 * pretrain.train.max_target_length == tps
   first = lambda tokens: math.ceil(tokens / tps)  # noqa: E731

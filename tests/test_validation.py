@@ -23,6 +23,7 @@ PLUGIN_SITE = REPO / ".venv" / "gpu-aot"
 has_plugin = (PLUGIN_SITE / "jax_plugins").is_dir() or "MAXTEXT_GPU_AOT_SITE" in os.environ
 # Free-text keys whose "" is a documented value (off, none, or used only by a dataset type that checks it).
 EMPTY_IS_DOCUMENTED = {
+  "batch_size_schedule",
   "learning_rate_phases",
   "dataset_name",
   "train_split",
