@@ -207,7 +207,7 @@ def backend(cfg: Config, platform: str | None, device_kind: str = "") -> None:
     return  # config validation names the pair
   hopper = platform == "gpu" and (not device_kind or _is_hopper_kind(device_kind))
   if entry.hopper_only and not hopper:
-    on = f"{device_kind} ({platform})" if device_kind else platform
+    on = f"{device_kind} ({platform})" if device_kind and device_kind.lower() != platform else platform
     can = " or ".join(f"moe_gmm_backend={b}" for b in runnable_entries(cfg, platform, hopper))
     q = f" with quantization={moe.quantization}" if moe.quantization else ""
     raise UserError(
