@@ -18,8 +18,27 @@ on any machine, CPU included, and prints what one GPU would hold and do:
   prediction       compute at measured kernel rates + the compiled step's exposed collectives
                    (MaxText/plan/: bytes, groups, intra/inter-node, overlap; NCCL's ring model;
                    --gpus-per-node, --fabric FILE of measured bandwidths); TFLOP/s, MFU, MoE
-                   dispatch/combine per layer, weak scaling 8-1,024 GPUs. --search [--search-budget K]
-                   ranks mesh shapes, remat and batch, compiling the best K
+                   dispatch/combine per layer, weak scaling 8-1,024 GPUs
+
+Options:
+  --gpu {h100,h200,b200}     the GPU kind; --num-gpus N how many
+  --gpus-per-host 8          GPUs per node (alias --gpus-per-node): NVLink inside, the network across
+  --memory-fraction F        the share of GPU memory the run may use (default below)
+  --fabric FILE              JSON/YAML of your own measured NCCL bandwidths and latencies
+                             (MaxText/plan/fabric.py); default: published NDR InfiniBand / NVLink 4
+  --search [--search-budget K]
+                             rank mesh shapes (fsdp x expert, data), remat policies, the head's
+                             chunk and batch by predicted tokens/s per GPU, with a
+                             memory estimate calibrated on compiles; compile K of them (default 3: the
+                             recipe's own, then the best that the estimate says fit; 0: rank only)
+                             (MaxText/plan/search.py); exit 0 when a compiled one fits, else 3
+  --json OUT                 the report (or the search's table) as JSON
+
+optimizer_memory_host_offload=true: compile-only GPUs have no host memory space, so jax drops the
+moments' pinned-host placement and XLA compiles them on the device. The peak stands: on a real H100,
+XLA brings the moments to the device at the step's start and holds them through the peak (the 1-GPU
+proxy at 2 sequences: 63.1 GiB without the offload, 64.7 GiB with it). Their copies to the host and
+back count in the prediction.
 
 attention=cudnn_flash cannot be compiled without a GPU (XLA builds the cuDNN graph while
 compiling): it is replaced by a stand-in with flash attention's memory footprint
@@ -52,9 +71,11 @@ from MaxText.progress import progress
 REPO = Path(__file__).resolve().parents[1]
 EXIT_DOES_NOT_FIT = 3
 DEFAULT_MEMORY_FRACTION = 0.75  # what the JAX GPU client preallocates unless told otherwise
+DEFAULT_SEARCH_BUDGET = 3  # compiles per --search: the recipe's own configuration, then the two best estimates
 USAGE = (
-  "usage: python -m MaxText.aot RECIPE.yml --gpu {h100,h200} --num-gpus N [--gpus-per-host 8] "
-  "[--memory-fraction F] [--json OUT] [key=value ...]"
+  "usage: python -m MaxText.aot RECIPE.yml --gpu {h100,h200,b200} --num-gpus N [--gpus-per-host 8 | "
+  "--gpus-per-node 8] [--memory-fraction F] [--fabric FILE] [--search [--search-budget K]] [--json OUT] "
+  "[key=value ...]"
 )
 
 # Dense tensor-core peaks per GPU (no sparsity), FLOP/s: Hopper SXM, bf16 and fp8.
@@ -107,7 +128,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   ap.add_argument("--gpus-per-node", dest="gpus_per_host", type=int)  # the same as --gpus-per-host
   ap.add_argument("--fabric")  # JSON/YAML of measured bandwidths and latencies (MaxText/plan/fabric.py)
   ap.add_argument("--search", action="store_true")  # rank mesh shapes, remat and batch (MaxText/plan/search.py)
-  ap.add_argument("--search-budget", type=int, default=3)  # how many of the ranked candidates to compile
+  ap.add_argument("--search-budget", type=int)  # how many candidates to compile (default 3), the recipe's own first
   options = [a for a in argv if not ("=" in a and not a.startswith("-"))]
   overrides = [a for a in argv if "=" in a and not a.startswith("-")]
   args, unknown = ap.parse_known_args(options)
@@ -119,6 +140,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     raise UserError("--num-gpus and --gpus-per-host must be positive")
   if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
     raise UserError(f"--memory-fraction {args.memory_fraction} must be in (0, 1]")
+  if args.search_budget is not None and not args.search:
+    raise UserError(f"--search-budget is an option of --search; {USAGE}")
+  if args.search_budget is None:
+    args.search_budget = DEFAULT_SEARCH_BUDGET
+  if args.search_budget < 0:
+    raise UserError(f"--search-budget {args.search_budget} must be >= 0 (0: rank by estimate, compile nothing)")
   return args, overrides
 
 
@@ -192,6 +219,11 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
     "memory_fraction": memory_fraction,
     "budget": budget,
   }
+  # Compile-only devices list no memory spaces, so jax drops the pinned_host placement of offloaded optimizer
+  # state and XLA compiles it on the device. Its peak stands (module docstring: a real H100 holds the moments
+  # through the peak all the same); the copies to the host and back are still made every step.
+  if not offloaded_state and cfg.train.optimizer_memory_host_offload:
+    memory["optimizer_state_offloaded"] = memory["optimizer_state"]
   state_on_gpu = memory["parameters"] + memory["optimizer_state"] + memory["other_state"] - offloaded_state
   report = {
     "recipe_model": cfg.model.model_name,
@@ -206,11 +238,25 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
     "memory": memory,
   }
   if state_on_gpu > budget:
-    memory.update(host_offloaded=offloaded_state, peak=state_on_gpu)
+    memory.update(host_offloaded=offloaded_state + memory.get("optimizer_state_offloaded", 0), peak=state_on_gpu)
     return {**report, "compiled": False, "fits": False}
   with compile_only.lowering_for(devices):
     measured = compile_and_measure(cfg, trainer, state, batch, gpu, num_gpus, memory, offloaded_state, fabric_file)
   return {**report, **measured, "compiled": True}
+
+
+def compiled_peak_bytes(mem) -> int:
+  """A compiled executable's peak device bytes from its memory_analysis()."""
+  # Arguments are donated: the new state reuses their buffers (aliased), so peak = arguments + outputs
+  # that are not aliased + temporaries + code; newer XLA also reports its own peak.
+  peak = (
+    mem.argument_size_in_bytes
+    + mem.output_size_in_bytes
+    - mem.alias_size_in_bytes
+    + mem.temp_size_in_bytes
+    + mem.generated_code_size_in_bytes
+  )
+  return max(peak, getattr(mem, "peak_memory_in_bytes", 0) or 0)
 
 
 def compile_and_measure(
@@ -234,23 +280,16 @@ def compile_and_measure(
   mem = compiled.memory_analysis()
   executed = step_flops.step_flops(trainer.step, state, batch)
 
-  # Arguments are donated: the new state reuses their buffers (aliased), so peak = arguments + outputs
-  # that are not aliased + temporaries + code; newer XLA also reports its own peak.
-  peak = (
-    mem.argument_size_in_bytes
-    + mem.output_size_in_bytes
-    - mem.alias_size_in_bytes
-    + mem.temp_size_in_bytes
-    + mem.generated_code_size_in_bytes
-  )
-  peak = max(peak, getattr(mem, "peak_memory_in_bytes", 0) or 0)
+  peak = compiled_peak_bytes(mem)
+  unplaced = memory.get("optimizer_state_offloaded", 0)  # compiled on the device (plan())
   memory.update(
     arguments=mem.argument_size_in_bytes,
     outputs=mem.output_size_in_bytes,
     aliased=mem.alias_size_in_bytes,
     temporaries=mem.temp_size_in_bytes,
     code=mem.generated_code_size_in_bytes,
-    host_offloaded=max(mem.host_temp_size_in_bytes + mem.host_argument_size_in_bytes, offloaded_state),
+    host_offloaded=max(mem.host_temp_size_in_bytes + mem.host_argument_size_in_bytes, offloaded_state - unplaced)
+    + unplaced,
     peak=peak,
   )
 
@@ -329,6 +368,14 @@ def format_report(r: dict) -> str:
   lines += [
     f"  temporaries        {gib(m['temporaries'])}   (activations, gathered weights, gradients)",
     f"  host offloaded     {gib(m['host_offloaded'])}   (pinned host memory, not counted in the peak)",
+    *(
+      [
+        "  (optimizer state offloaded: compiled on the device, as a GPU holds it through the peak anyway; "
+        "its host copies are in the prediction)"
+      ]
+      if m.get("optimizer_state_offloaded")
+      else []
+    ),
     f"  peak               {gib(m['peak'])}   {budget}",
     f"compute per GPU per step: {f['model'] / 1e12:,.2f} TFLOP model, {f['traced'] / 1e12:,.2f} TFLOP traced "
     "(matmuls incl. remat recompute, ragged GEMMs over whole buffers"

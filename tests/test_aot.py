@@ -87,6 +87,11 @@ def test_too_small_cluster_fails_with_one_clear_line(tmp_path):
     ((OPTIMIZED, "--gpu", "h200", "--num-gpus", "12"), "--num-gpus 12 is not a multiple of 8 GPUs per host"),
     (("configs/none.yml", "--gpu", "h200", "--num-gpus", "8"), "does not exist"),
     ((OPTIMIZED, "--gpu", "h200", "--num-gpus", "8", "num_expert=3"), "did you mean 'num_experts'"),
+    (
+      (OPTIMIZED, "--gpu", "h200", "--num-gpus", "8", "--search-budget", "2"),
+      "--search-budget is an option of --search",
+    ),
+    ((OPTIMIZED, "--gpu", "h200", "--num-gpus", "8", "--search", "--search-budget", "-1"), "must be >= 0"),
   ],
 )
 def test_bad_input_is_one_error_line_and_exit_2(args, message):
@@ -94,6 +99,15 @@ def test_bad_input_is_one_error_line_and_exit_2(args, message):
   assert proc.returncode == 2, proc.stdout + proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], proc.stderr
+
+
+def test_help_names_every_option():
+  proc, _ = aot("--help")
+  assert proc.returncode == 0, proc.stderr
+  usage = proc.stdout.strip().splitlines()[-1]
+  for option in ("--gpus-per-host", "--gpus-per-node", "--memory-fraction", "--fabric", "--search", "--search-budget"):
+    assert option in usage, usage
+  assert "--search [--search-budget K]" in proc.stdout and "optimizer_memory_host_offload=true" in proc.stdout
 
 
 def test_flop_count_multiplies_scan_bodies_and_counts_the_backward():

@@ -244,7 +244,7 @@ def predict(
   state = {"parameters": memory.get("parameters", 0), "optimizer_state": memory.get("optimizer_state", 0)}
   comp = compute_time(cfg, gpu_spec, tokens_per_gpu, local_experts, state)
   comm = communication(collectives, device_ids, gpus_per_node, fab)
-  host = memory.get("host_offloaded", 0) if cfg.model.remat_policy == "custom" else 0
+  host = memory.get("host_offloaded", 0)  # offloaded activations and state: out and back every step
   s = step(comp, comm, host)
   model_flops = flops.training_flops_per_token(cfg.model, cfg.moe, cfg.train.max_target_length) * tokens_per_gpu
   tflops = model_flops / s["step_s"] / 1e12

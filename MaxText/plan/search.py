@@ -1,18 +1,40 @@
 """`python -m MaxText.aot RECIPE --gpu G --num-gpus N --search [--search-budget K]`: the configurations that
 fit, ranked by predicted tokens/s per GPU.
 
-Candidates: mesh shapes (expert parallelism inside a node or across up to 4 nodes, the rest fsdp, or a data
-axis of 2 over fsdp), remat policies with host offload (`none`, `save_dot_except_moe`, the recipe's own,
-`full`) and sequences per GPU (1, 2, 4). Compiling a 671B candidate takes minutes, so each is first scored
-without compiling: memory from an analytic estimate (state bytes from the parameter count, activations per
-token by policy), time from predict.py's compute model plus the fsdp/expert traffic of an analytic collective
-list. Only the `--search-budget` best that the estimate says fit are compiled and planned in full; the table
-shows both columns.
+Candidates: mesh shapes (expert parallelism over half a node, a node, or 2 or 4 nodes, the rest fsdp, or a
+data axis of 2 over fsdp), remat policies (`none`, `save_dot_except_moe`, `full`, the recipe's own), the output
+head's chunk (the recipe's `loss_chunk_tokens` or a quarter of it) and sequences per GPU (1, 2, 4). Not the
+optimizer state's host offload: on a real H100 XLA brings the moments to the device at the step's start and
+holds them through its peak (the 1-GPU proxy at 2 sequences compiled to 63.1 GiB without it and 64.7 GiB
+with it, 2026-12-06), so it buys no memory, only PCIe traffic.
+
+Compiling a 671B candidate takes minutes, so every candidate is first scored without compiling, and only
+`--search-budget` of them are compiled:
+
+  memory   exact where it can be: the parameters and optimizer state per GPU from the candidate's own
+           shardings (MaxText/train_step.py's state, no compile), its float32 gradients the parameters'
+           size again. The rest, the working set, from the config's shapes (`memory_terms`): the largest
+           layer's gathered weights (LAYER_WEIGHT_COPIES in the compute dtype, prefetch included) and its
+           float32 weight gradient before the reduce-scatter; MOE_ROW_BUFFERS [rows, emb] buffers of the
+           routed experts, rows as the EP backend sizes them (worst case: MaxText/moe/ep/); one chunk of
+           the output head (float32 logits, compute-dtype dlogits, the float32 head gradient, the gathered head); and
+           the activations the remat policy keeps on the device, every layer. The working set is then
+           calibrated against the compiled candidates (`Calibration`): a factor per tokens-per-GPU value
+           compiled (least squares), linear between them, the nearest one's beyond. One factor for all did
+           not do: the 671B on 128 x H200 compiled to 0.91 x the terms at 4,096 tokens per GPU and 2.3 x at
+           16,384 (2026-12-06), XLA keeping more per token at larger batches than the terms count.
+  time     predict.py's compute model plus the fsdp/expert traffic of an analytic collective list.
+
+The first compile is the recipe's own configuration (the calibration); each further compile is the
+best-ranked candidate that the calibrated estimate says fits and that is not compiled yet (until one is
+confirmed to fit, among the tokens-per-GPU values already calibrated), and recalibrates. Each compile
+prints the estimate made before it beside its compiled peak; the table marks the compiled ones.
 """
 
+import contextlib
+import io
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from MaxText import flops
@@ -22,67 +44,265 @@ from MaxText.plan import predict
 from MaxText.plan.collectives import Placement
 
 POLICIES = ("none", "save_dot_except_moe", "full")
-# Activation bytes kept per token per layer by policy, in units of emb_dim x 2 bytes (bf16): from the proxy's
-# measured peaks (docs/memory.md): no remat keeps ~ 60 hidden-size vectors per token per MoE layer (the top-8
-# expert rows dominate), recomputing the experts ~ 14, full remat the layer input only (1, and the live layer).
-ACT_VECTORS = {"none": 60.0, "save_dot_except_moe": 14.0, "full": 1.0, "custom": 1.0}
+BATCHES = (1, 2, 4)
+# Compute-dtype copies of one layer's gathered weights live at once: the layer's own and the next one's,
+# gathered ahead (the latency-hiding scheduler's prefetch).
+LAYER_WEIGHT_COPIES = 2
+# [rows, emb] compute-dtype buffers live at once in an MoE layer's backward pass: the received units
+# expanded to rows, the down GEMM's output, and the gradients of both. The 671B plan on 128 x H200
+# (2026-12-06, XLA's memory-usage report) holds several bf16[262144, 7168] buffers at its peak; the
+# calibration absorbs the rest.
+MOE_ROW_BUFFERS = 4
+KEYS = (
+  "ici_expert_parallelism",
+  "ici_data_parallelism",
+  "ici_fsdp_parallelism",
+  "remat_policy",
+  "loss_chunk_tokens",
+  "per_device_batch_size",
+)
+
+
+def _bytes(dtype: str) -> int:
+  return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
 
 
 def candidates(cfg, num_gpus: int, gpus_per_node: int) -> list[dict]:
   out = []
   experts = cfg.moe.num_experts
+  chunk = cfg.model.loss_chunk_tokens
+  chunks = dict.fromkeys((chunk, chunk // 4 if chunk >= 4 else chunk))
   for ep in sorted({gpus_per_node, 2 * gpus_per_node, 4 * gpus_per_node, max(1, gpus_per_node // 2)}):
     if ep > num_gpus or num_gpus % ep or experts % ep:
       continue
     for data in (1, 2):
-      fsdp = num_gpus // ep // data
-      if fsdp < 1 or num_gpus % (ep * data):
+      if num_gpus % (ep * data):
         continue
+      fsdp = num_gpus // ep // data
       for policy in dict.fromkeys((*POLICIES, cfg.model.remat_policy)):
-        for batch in (1, 2, 4):
-          out.append(
-            {
-              "ici_expert_parallelism": ep,
-              "ici_data_parallelism": data,
-              "ici_fsdp_parallelism": fsdp,
-              "remat_policy": policy,
-              "per_device_batch_size": batch,
-            }
-          )
+        for loss_chunk in chunks:
+          for batch in BATCHES:
+            out.append(dict(zip(KEYS, (ep, data, fsdp, policy, loss_chunk, batch), strict=True)))
   return out
 
 
-def estimate(cfg, cand: dict, gpu: str, spec, num_gpus: int, gpus_per_node: int, budget: int, fab) -> dict:
-  """Analytic memory and time of one candidate (no compile)."""
+def own_candidate(cfg, mesh_shape: dict) -> dict:
+  """The recipe's own configuration as a candidate (the calibration compile)."""
+  values = (
+    mesh_shape["expert"],
+    mesh_shape["data"],
+    mesh_shape["fsdp"],
+    cfg.model.remat_policy,
+    cfg.model.loss_chunk_tokens,
+    cfg.train.per_device_batch_size,
+  )
+  return dict(zip(KEYS, values, strict=True))
+
+
+def overrides_of(cand: dict) -> list[str]:
+  return [f"{k}={str(cand[k]).lower() if isinstance(cand[k], bool) else cand[k]}" for k in KEYS]
+
+
+def state_bytes(cfg, devices) -> dict:
+  """Per-GPU bytes of the train state under cfg's mesh on `devices`, from its shardings (nothing compiled)."""
+  from MaxText.aot import per_device_bytes
+  from MaxText.sharding import make_mesh
+  from MaxText.train_step import Trainer
+
+  with contextlib.redirect_stdout(io.StringIO()):  # the Trainer names its expert GEMM: once is enough
+    trainer = Trainer(cfg, make_mesh(cfg.mesh, devices))
+  state, sh = trainer.abstract_state(), trainer.device_state_shardings
+  return {
+    "parameters": per_device_bytes(state.params, sh.params),
+    "optimizer_state": per_device_bytes(state.opt_state, sh.opt_state),
+    "other_state": per_device_bytes((state.bias, state.step), (sh.bias, sh.step)),
+    "mesh": {a: int(n) for a, n in trainer.mesh.shape.items()},
+  }
+
+
+def routed_rows(moe, ep: int, tokens: int) -> int:
+  """Rows of the routed experts' GEMM input on one GPU: for the EP backends, their receive buffers (the worst
+  case, or moe_ep_buffer_factor x the balanced share) times the expert slots a unit carries; otherwise the
+  token copies (tokens x top-k)."""
+  from MaxText.moe import ep as ep_lib
+
+  k = moe.num_experts_per_tok
+  if not ep_lib.is_ep(moe.moe_dispatch):
+    return tokens * k
+  from MaxText.moe.ep import dense_a2a, ragged_a2a
+
+  plan = ep_lib.EpPlan("expert", ep, moe.num_experts, k, tokens, moe.moe_dedup, moe.moe_ep_buffer_factor)
+  if moe.moe_dispatch == "ragged_a2a":
+    return ragged_a2a.receive_buffer(plan) * plan.slots
+  if moe.moe_dispatch == "dense_a2a":
+    return ep * dense_a2a.capacity(plan) * plan.slots
+  return ep * tokens * min(k, plan.local_experts)  # allgather: every rank's tokens, a row per local expert
+
+
+def largest_layer_params(cfg, ep: int) -> int:
+  """Parameters one GPU gathers for its largest layer: the layer's weights whole (fsdp gathers them), its
+  routed experts' weights divided over the expert axis."""
+  import math
+
+  from MaxText import model
+  from MaxText.params import is_spec
+
+  import jax
+
+  specs = model.model_specs(cfg.model, cfg.moe)
+  best = 0
+  for stack in ("dense_layers", "moe_layers", "mtp_layers"):
+    if stack not in specs:
+      continue
+    total = 0
+    for s in jax.tree.leaves(specs[stack], is_leaf=is_spec):
+      per_layer = math.prod(s.shape[1:])  # axis 0 stacks the layers
+      total += per_layer // ep if "exp" in s.axes else per_layer
+    best = max(best, total)
+  return best
+
+
+def kept_activation_bytes(cfg, rows: int) -> int:
+  """Bytes the remat policy keeps on the device for the backward pass, all layers (per GPU)."""
+  from MaxText import remat
+
+  m, moe, t = cfg.model, cfg.moe, cfg.train
+  batch = t.per_device_batch_size // max(1, t.gradient_accumulation_steps) or 1
+  seq = t.max_target_length
+  policy = m.remat_policy
+  if policy == "none":
+    keep = None  # everything
+  elif policy == "custom":
+    keep = {n for n, where in remat.custom_locations(m).items() if where == "device"}
+  else:
+    keep = set(remat.NAMED_PRESETS.get(policy, ()))
+  layers_input_on_device = policy != "custom" or remat.custom_locations(m).get("decoder_layer_input") != "offload"
+  total = 0
+  stacks = (("dense", m.first_num_dense_layers), ("moe", m.num_moe_layers + m.mtp_num_layers))
+  for kind, n in stacks:
+    sizes = remat.tensor_bytes(m, moe, batch, seq, kind)
+    if kind == "moe":  # the routed tensors have the EP buffers' rows, not tokens x top-k
+      for name in ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"):
+        if name in sizes:
+          sizes[name] = sizes[name] * rows // max(1, batch * seq * moe.num_experts_per_tok)
+    kept = sum(b for name, b in sizes.items() if (keep is None or name in keep) and name != "decoder_layer_input")
+    if layers_input_on_device:  # the scan carries each layer's input to the backward pass
+      kept += sizes["decoder_layer_input"]
+    total += n * kept
+  return total
+
+
+def head_bytes(cfg, tokens: int, fsdp: int) -> int:
+  """The output head's loss at its peak: one chunk's float32 logits and compute-dtype dlogits, the float32 head
+  gradient accumulated over the chunks, and the head gathered in the compute dtype (MaxText/layers/loss_head.py)."""
+  from MaxText.layers import loss_head
+
+  m = cfg.model
+  _, rows = loss_head._layout(tokens, m.loss_chunk_tokens)
+  act = _bytes(m.dtype)
+  v, d = m.vocab_size, m.emb_dim
+  gathered = d * v * act if fsdp > 1 else 0
+  return rows * v * (4 + act) + d * v * 4 + gathered
+
+
+def memory_terms(cfg, state: dict) -> dict:
+  """Per-GPU bytes by term for one candidate config (module docstring). `state`: state_bytes of its mesh."""
+  m, moe, t = cfg.model, cfg.moe, cfg.train
+  mesh = state["mesh"]
+  ep, fsdp = mesh["expert"], mesh["fsdp"]
+  act = _bytes(m.dtype)
+  tokens = t.per_device_batch_size * t.max_target_length // max(1, t.gradient_accumulation_steps)
+  rows = routed_rows(moe, ep, tokens)
+  layer = largest_layer_params(cfg, ep)
+  return {
+    "parameters": state["parameters"],
+    "optimizer_state": state["optimizer_state"],
+    "other_state": state["other_state"],
+    # the gradients have the parameters' dtype and shardings
+    "gradients": state["parameters"],
+    "layer_weights": layer * (LAYER_WEIGHT_COPIES * act + 4),
+    "moe_buffers": MOE_ROW_BUFFERS * rows * m.emb_dim * act,
+    "head": head_bytes(cfg, tokens, fsdp),
+    "activations": kept_activation_bytes(cfg, rows),
+    "tokens": tokens,  # per GPU: what the calibration is indexed by
+  }
+
+
+WORKING = ("layer_weights", "moe_buffers", "head", "activations")
+
+
+def working(terms: dict) -> float:
+  return sum(terms[k] for k in WORKING)
+
+
+def on_device_state(terms: dict) -> float:
+  """What the compiled step holds of the state and gradients when nothing is offloaded."""
+  return terms["parameters"] + terms["optimizer_state"] + terms["other_state"] + terms["gradients"]
+
+
+def peak_estimate(terms: dict, scale: float) -> float:
+  """The step's peak: state + gradients + the working set times its calibration factor."""
+  return on_device_state(terms) + scale * working(terms)
+
+
+class Calibration:
+  """The working set's factor as a function of tokens per GPU, from (tokens, analytic, compiled) points."""
+
+  def __init__(self):
+    self.points: list[tuple[int, float, float]] = []
+
+  def add(self, tokens: int, analytic: float, compiled: float) -> None:
+    self.points.append((tokens, analytic, compiled))
+
+  def by_tokens(self) -> dict[int, float]:
+    groups: dict[int, list] = {}
+    for t, a, c in self.points:
+      groups.setdefault(t, []).append((a, c))
+    return {t: fit_scale(groups[t]) for t in sorted(groups)}
+
+  def scale(self, tokens: int) -> float:
+    known = self.by_tokens()
+    if not known:
+      return 1.0
+    ts = list(known)
+    if tokens <= ts[0]:
+      return known[ts[0]]
+    if tokens >= ts[-1]:
+      return known[ts[-1]]
+    hi = next(t for t in ts if t >= tokens)
+    lo = ts[ts.index(hi) - 1]
+    return known[lo] + (known[hi] - known[lo]) * (tokens - lo) / (hi - lo)
+
+  def describe(self) -> str:
+    known = self.by_tokens()
+    if not known:
+      return "working set as the terms give it (nothing compiled)"
+    return (
+      "working set x "
+      + ", ".join(f"{v:.3f} at {t:,} tokens/GPU" for t, v in known.items())
+      + (" (linear between, the nearest beyond)" if len(known) > 1 else " (every batch)")
+    )
+
+
+def fit_scale(points: list[tuple[float, float]]) -> float:
+  """Least-squares factor s minimising sum (compiled_i - s x analytic_i)^2 over (analytic, compiled) working sets."""
+  den = sum(a * a for a, _ in points)
+  return sum(a * c for a, c in points) / den if den > 0 else 1.0
+
+
+def time_estimate(cfg, cand: dict, terms: dict, spec, num_gpus: int, gpus_per_node: int, fab) -> dict:
+  """Analytic step time of one candidate (no compile): compute at measured rates, fsdp/expert traffic."""
   m, moe = cfg.model, cfg.moe
   n_params = (
     flops.active_weights_per_token(m, moe)
     + m.num_moe_layers * (moe.num_experts - moe.num_experts_per_tok) * 3 * m.emb_dim * moe.base_moe_mlp_dim
   )
-  w = {"float32": 4, "bfloat16": 2}.get(m.weight_dtype, 4)
-  mom = sum({"bfloat16": 2}.get(d, 4) for d in (cfg.optimizer.mu_dtype, cfg.optimizer.nu_dtype))
-  state = n_params * (w + mom) / num_gpus
   tokens = cand["per_device_batch_size"] * cfg.train.max_target_length
-  offload = cand["remat_policy"] == cfg.model.remat_policy == "custom"
-  layers = m.base_num_decoder_layers + m.mtp_num_layers
-  acts = tokens * m.emb_dim * 2 * ACT_VECTORS.get(cand["remat_policy"], 14.0) * (0.1 if offload else 1) * layers
-  # gradients (fp32, sharded) + the largest gathered layer's weights twice (prefetch) + a working set
-  layer_w = n_params / max(1, layers) * 2
-  peak = state + n_params * 4 / num_gpus + 2 * layer_w / cand["ici_expert_parallelism"] + acts + 4 * 2**30
-  c = replace(
-    cfg,
-    model=replace(m, remat_policy=cand["remat_policy"]),
-    train=replace(cfg.train, per_device_batch_size=cand["per_device_batch_size"]),
-  )
-  local_experts = max(1, moe.num_experts // cand["ici_expert_parallelism"])
-  comp = predict.compute_time(
-    c,
-    spec,
-    tokens,
-    local_experts,
-    {"parameters": n_params * w / num_gpus, "optimizer_state": n_params * mom / num_gpus},
-  )
   ep, fsdp, data = cand["ici_expert_parallelism"], cand["ici_fsdp_parallelism"], cand["ici_data_parallelism"]
+  local_experts = max(1, moe.num_experts // ep)
+  comp = predict.compute_time(
+    cfg, spec, tokens, local_experts, {"parameters": terms["parameters"], "optimizer_state": terms["optimizer_state"]}
+  )
   ep_nodes = max(1, ep // gpus_per_node)
   fsdp_place = Placement(
     max(1, fsdp // max(1, gpus_per_node // ep)), 1 if ep >= gpus_per_node else gpus_per_node // ep, fsdp
@@ -101,89 +321,249 @@ def estimate(cfg, cand: dict, gpu: str, spec, num_gpus: int, gpus_per_node: int,
     place = Placement(ep_nodes, min(ep, gpus_per_node), ep)
     t = 4 * (m.num_moe_layers + m.mtp_num_layers) * fabric_lib.collective_time("all-to-all", rows, place, fab)
     comm.append({"overlapped": False, "seconds": t, "fabric": "inter-node" if ep_nodes > 1 else "intra-node"})
-  s = predict.step(comp, comm)
-  return {
-    **cand,
-    "est_peak_gib": peak / 2**30,
-    "est_fits": peak <= budget,
-    "est_step_s": s["step_s"],
-    "est_tokens_per_s_per_gpu": tokens / s["step_s"],
-  }
+  s = predict.step(comp, comm)  # offloaded activations' host copies: in the compiled candidates' prediction
+  return {"est_step_s": s["step_s"], "est_tokens_per_s_per_gpu": tokens / s["step_s"]}
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.1f} GiB"
+
+
+def _describe(cand: dict) -> str:
+  return " ".join(overrides_of(cand))
+
+
+def _composition(terms: dict, scale: float) -> str:
+  moments = f" + optimizer state {_gib(terms['optimizer_state'])}"
+  return (
+    f"parameters {_gib(terms['parameters'])}{moments} + gradients {_gib(terms['gradients'])} + working set "
+    f"{_gib(scale * working(terms))} (layer weights {_gib(scale * terms['layer_weights'])}, MoE buffers "
+    f"{_gib(scale * terms['moe_buffers'])}, head {_gib(scale * terms['head'])}, activations "
+    f"{_gib(scale * terms['activations'])})"
+  )
+
+
+class Search:
+  """The candidates of one cluster, their estimates, and the compiles that check them."""
+
+  def __init__(self, recipe: str, overrides: list[str], gpu: str, num_gpus: int, gpus_per_host: int, budget: int, fab):
+    from MaxText import compile_only
+
+    self.recipe, self.overrides, self.gpu, self.num_gpus = recipe, list(overrides), gpu, num_gpus
+    self.per_node = min(num_gpus, gpus_per_host)
+    self.gpus_per_host, self.budget, self.fab = gpus_per_host, budget, fab
+    self.spec = compile_only.GPUS[gpu]
+    self.devices = {num_gpus: compile_only.devices(gpu, num_gpus, gpus_per_host)}
+    self._states: dict = {}
+    self.cal = Calibration()
+    self._base_model = None
+    self._policy_cfgs: dict = {}
+
+  def config(self, cand: dict):
+    from MaxText import remat
+    from MaxText.config import load_config
+
+    extra = []
+    if cand["remat_policy"] != "custom":  # the recipe's per-tensor remat keys act only under custom: back to base.yml's
+      if self._base_model is None:
+        self._base_model = load_config(None).model
+      extra = [f"{k}={getattr(self._base_model, k)}" for k in remat.tensor_keys()]
+    return load_config(self.recipe, [*self.overrides, *overrides_of(cand), *extra])
+
+  def quick_config(self, cand: dict):
+    """cand's config for the estimate: the recipe loaded once per remat policy (parsing the recipe's YAML
+    costs ~0.1 s, hundreds of times over), the candidate's other keys replaced. The compile loads it whole."""
+    import dataclasses
+
+    from MaxText.config_schema import key_index
+
+    policy = cand["remat_policy"]
+    if policy not in self._policy_cfgs:
+      self._policy_cfgs[policy] = self.config(cand)
+    cfg = self._policy_cfgs[policy]
+    index = key_index()
+    sections: dict = {}
+    for k in KEYS:
+      sections.setdefault(index[k][0], {})[k] = cand[k]
+    return dataclasses.replace(
+      cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **vals) for sec, vals in sections.items()}
+    )
+
+  def terms(self, cfg, cand: dict, num_gpus: int) -> dict:
+    """memory_terms of cand's config `cfg` on num_gpus GPUs (the state's bytes cached per mesh)."""
+    from MaxText import compile_only
+
+    if num_gpus not in self.devices:
+      self.devices[num_gpus] = compile_only.devices(self.gpu, num_gpus, self.gpus_per_host)
+    key = (num_gpus, cand["ici_expert_parallelism"], cand["ici_data_parallelism"], cand["ici_fsdp_parallelism"])
+    if key not in self._states:
+      self._states[key] = state_bytes(cfg, self.devices[num_gpus])
+    return memory_terms(cfg, self._states[key])
+
+  def score(self, row: dict) -> None:
+    """(Re)computes a row's memory estimate under the current calibration."""
+    scale = self.cal.scale(row["_terms"]["tokens"])
+    row["est_peak_gib"] = peak_estimate(row["_terms"], scale) / 2**30
+    row["est_fits"] = row["est_peak_gib"] * 2**30 <= self.budget
+
+
+def _public(row: dict) -> dict:
+  return {k: v for k, v in row.items() if not k.startswith("_")}
 
 
 def main(cfg, args, overrides, plan, format_report) -> int:
-  """Ranks the candidates analytically, compiles the best `--search-budget` that fit, prints the table."""
+  """Estimates every candidate, compiles the recipe's own configuration (calibration) and then the best
+  `--search-budget` - 1 candidates the calibrated estimate says fit; prints the table."""
   from MaxText import compile_only
-  from MaxText.config import load_config
 
   spec = compile_only.GPUS[args.gpu]
   fab = fabric_lib.load(args.gpu, args.fabric)
-  budget = int(spec.memory_bytes * args.memory_fraction)
-  per_node = min(args.num_gpus, args.gpus_per_host)
-  rows = [
-    estimate(cfg, c, args.gpu, spec, args.num_gpus, per_node, budget, fab)
-    for c in candidates(cfg, args.num_gpus, per_node)
-  ]
-  rows.sort(key=lambda r: (not r["est_fits"], -r["est_tokens_per_s_per_gpu"]))
+  spec_budget = int(spec.memory_bytes * args.memory_fraction)
+  s = Search(args.recipe, overrides, args.gpu, args.num_gpus, args.gpus_per_host, spec_budget, fab)
+  own_state = state_bytes(cfg, s.devices[args.num_gpus])
+  own = own_candidate(cfg, own_state["mesh"])
+  cands = candidates(cfg, args.num_gpus, s.per_node)
+  if own not in cands:
+    cands.insert(0, own)
+  rows, refused = [], {}
+  for cand in cands:
+    try:
+      c = s.quick_config(cand)
+      terms = s.terms(c, cand, args.num_gpus)
+    except (UserError, ValueError) as e:  # a combination the config refuses: counted, not ranked
+      refused[str(e).splitlines()[0][:160]] = refused.get(str(e).splitlines()[0][:160], 0) + 1
+      continue
+    rows.append(
+      {**cand, "_cfg": c, "_terms": terms, **time_estimate(c, cand, terms, spec, args.num_gpus, s.per_node, fab)}
+    )
+  own_row = next((r for r in rows if all(r[k] == own[k] for k in KEYS)), None)
+  for r in rows:
+    s.score(r)
   print(
-    f"search: {len(rows)} candidates, {sum(r['est_fits'] for r in rows)} fit by estimate; "
-    f"compiling the best {args.search_budget}",
+    f"search: {len(rows)} candidates ({sum(refused.values())} refused by the config), "
+    f"{sum(r['est_fits'] for r in rows)} fit by the uncalibrated estimate; compiling up to {args.search_budget}",
     flush=True,
   )
-  keys = (
-    "ici_expert_parallelism",
-    "ici_data_parallelism",
-    "ici_fsdp_parallelism",
-    "remat_policy",
-    "per_device_batch_size",
-  )
-  for r in [r for r in rows if r["est_fits"]][: max(0, args.search_budget)]:
-    over = [*overrides, *(f"{k}={r[k]}" for k in keys)]
+  for why, n in refused.items():
+    print(f"search: refused {n}: {why}", flush=True)
+
+  def rank_key(r):
+    return (not r["est_fits"], -r["est_tokens_per_s_per_gpu"])
+
+  def compile_row(r: dict, why: str) -> None:
+    before = r["est_peak_gib"]
     try:
-      c = load_config(args.recipe, over)
-      rep = plan(c, args.gpu, args.num_gpus, args.gpus_per_host, args.memory_fraction, args.fabric)
-    except UserError as e:  # a candidate the config refuses: say why, go on with the next
-      print(f"search: {' '.join(over[len(overrides) :])}: {e}", flush=True)
-      r["compiled_fits"], r["peak_gib"] = False, 0.0
-      continue
+      rep = plan(s.config(r), args.gpu, args.num_gpus, args.gpus_per_host, args.memory_fraction, args.fabric)
+    except UserError as e:  # a candidate the compiler path refuses: say why, go on with the next
+      print(f"search: {_describe(r)}: {e}", flush=True)
+      r["compiled_fits"], r["peak_gib"] = False, None
+      return
+    m = rep["memory"]
+    r["compiled"] = rep["compiled"]
     r["compiled_fits"] = rep["fits"]
-    r["peak_gib"] = rep["memory"]["peak"] / 2**30
+    r["peak_gib"] = m["peak"] / 2**30
+    r["est_before_compile_gib"] = before
+    if rep["compiled"]:
+      s.cal.add(r["_terms"]["tokens"], working(r["_terms"]), m["peak"] - on_device_state(r["_terms"]))
     if rep.get("prediction"):
-      r["tokens_per_s_per_gpu"] = rep["prediction"]["tokens_per_s_per_gpu"]
-      r["model_tflops_per_gpu"] = rep["prediction"]["model_tflops_per_gpu"]
-  rows.sort(
-    key=lambda r: (
-      not r.get("compiled_fits", False),
-      not r["est_fits"],
-      -r.get("tokens_per_s_per_gpu", r["est_tokens_per_s_per_gpu"]),
+      p = rep["prediction"]
+      r["tokens_per_s_per_gpu"] = p["tokens_per_s_per_gpu"]
+      r["model_tflops_per_gpu"] = p["model_tflops_per_gpu"]
+      r["step_s"] = p["step_s"]
+      r["exposed_communication_s"] = p["exposed_communication_s"]
+    err = (before / r["peak_gib"] - 1) * 100 if r["peak_gib"] else 0.0
+    print(
+      f"search: compiled ({why}) {_describe(r)}: peak {r['peak_gib']:.1f} GiB, estimated {before:.1f} GiB before "
+      f"the compile ({err:+.0f}%); {'fits' if r['compiled_fits'] else 'does NOT fit'}"
+      + (f"; predicted {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" if "tokens_per_s_per_gpu" in r else "")
+      + f"; calibration now: {s.cal.describe()}",
+      flush=True,
     )
-  )
+    for row in rows:
+      s.score(row)
+
+  compiles = 0
+  if args.search_budget > 0 and own_row is not None:
+    compile_row(own_row, "the recipe's own configuration: calibration")
+    compiles += 1
+  while compiles < args.search_budget:
+    rows.sort(key=rank_key)
+    open_rows = [r for r in rows if r["est_fits"] and "compiled_fits" not in r]
+    # Until a compile has confirmed a fit, trust first the estimates whose tokens per GPU are calibrated;
+    # then explore the best of all (a new batch size calibrates its own factor).
+    calibrated = set(s.cal.by_tokens())
+    if not any(r.get("compiled_fits") for r in rows):
+      open_rows = [r for r in open_rows if r["_terms"]["tokens"] in calibrated] or open_rows
+    if not open_rows:
+      break
+    compile_row(open_rows[0], f"best by estimate, {compiles + 1} of {args.search_budget}")
+    compiles += 1
+
+  def table_key(r):
+    # compiled and fitting, then fitting by estimate (by tokens/s); then compiled and not fitting, then the
+    # rest (by memory: what comes closest)
+    if r.get("compiled_fits") or (r["est_fits"] and "compiled_fits" not in r):
+      return (0 if r.get("compiled_fits") else 1, -r.get("tokens_per_s_per_gpu", r["est_tokens_per_s_per_gpu"]))
+    return (2 if "compiled_fits" in r else 3, r.get("peak_gib") or r["est_peak_gib"])
+
+  rows.sort(key=table_key)
+  print(f"calibration ({len(s.cal.points)} compiled candidate(s)): {s.cal.describe()}")
   print(
-    f"{'ep':>4} {'data':>4} {'fsdp':>4} {'remat':<20} {'batch':>5} {'est GiB':>8} {'est tok/s':>9} "
-    f"{'GiB':>7} {'tok/s':>8} {'TFLOP/s':>7}"
+    f"{'ep':>4} {'data':>4} {'fsdp':>4} {'remat':<20} {'chunk':>5} {'batch':>5} {'est GiB':>8} "
+    f"{'est tok/s':>9} {'GiB':>7} {'tok/s':>8} {'TFLOP/s':>7}"
   )
   for r in rows[:20]:
-    comp = (
-      (
-        f"{r['peak_gib']:>7.1f} {r.get('tokens_per_s_per_gpu', 0):>8,.0f} {r.get('model_tflops_per_gpu', 0):>7.0f}"
-        + ("" if r["compiled_fits"] else " does NOT fit")
-      )
-      if "compiled_fits" in r
-      else ""
-    )
+    comp = ""
+    if "compiled_fits" in r:
+      if r["peak_gib"] is None:
+        comp = "refused"
+      else:
+        comp = (
+          f"{r['peak_gib']:>7.1f} {r.get('tokens_per_s_per_gpu', 0):>8,.0f} {r.get('model_tflops_per_gpu', 0):>7.0f}"
+        )
+        comp += " compiled: fits" if r["compiled_fits"] else " compiled: does NOT fit"
     print(
       f"{r['ici_expert_parallelism']:>4} {r['ici_data_parallelism']:>4} {r['ici_fsdp_parallelism']:>4} "
-      f"{r['remat_policy']:<20} {r['per_device_batch_size']:>5} {r['est_peak_gib']:>8.1f} "
+      f"{r['remat_policy']:<20} "
+      f"{r['loss_chunk_tokens']:>5} {r['per_device_batch_size']:>5} {r['est_peak_gib']:>8.1f} "
       f"{r['est_tokens_per_s_per_gpu']:>9,.0f} {comp}"
     )
   if args.json_out:
-    Path(args.json_out).write_text(json.dumps({"search": rows}, indent=1))
+    Path(args.json_out).write_text(
+      json.dumps(
+        {
+          "search": [_public(r) for r in rows],
+          "calibration": {"by_tokens_per_gpu": s.cal.by_tokens(), "points": s.cal.points},
+        },
+        indent=1,
+      )
+    )
   best = [r for r in rows if r.get("compiled_fits")]
-  if args.search_budget <= 0 and rows and rows[0]["est_fits"]:  # ranking only, nothing compiled
-    print("best by estimate (not compiled): " + " ".join(f"{k}={rows[0][k]}" for k in keys))
+  if best:
+    print("best (compiled, fits): " + _describe(best[0]))
     return 0
-  if not best:
-    print("error: search: no compiled candidate fits; raise --search-budget or use more GPUs", file=sys.stderr)
-    return 3
-  print("best: " + " ".join(f"{k}={best[0][k]}" for k in keys))
-  return 0
+  if args.search_budget <= 0 and rows and rows[0]["est_fits"]:  # ranking only, nothing compiled
+    print("best by estimate (not compiled): " + _describe(rows[0]))
+    return 0
+  print(why_nothing_fits(s, rows, args.num_gpus), file=sys.stderr)
+  return 3
+
+
+def why_nothing_fits(s: Search, rows: list[dict], num_gpus: int) -> str:
+  """One `error:` line: the smallest candidate, what it holds, and what twice the GPUs would need."""
+  small = min(rows, key=lambda r: r.get("peak_gib") or r["est_peak_gib"])
+  line = (
+    f"error: search: nothing fits {s.budget / 2**30:.1f} GiB per GPU; the smallest, {_describe(small)}, needs "
+    f"{(small.get('peak_gib') or small['est_peak_gib']):.1f} GiB"
+    + (" (compiled)" if small.get("peak_gib") else " (estimated)")
+    + f": {_composition(small['_terms'], s.cal.scale(small['_terms']['tokens']))}"
+  )
+  more = 2 * num_gpus
+  try:
+    cand = {**{k: small[k] for k in KEYS}, "ici_fsdp_parallelism": small["ici_fsdp_parallelism"] * 2}
+    terms = s.terms(s.config(cand), cand, more)
+    scale = s.cal.scale(terms["tokens"])
+    line += f"; on {more} GPUs it would need {peak_estimate(terms, scale) / 2**30:.1f} GiB (estimated)"
+  except (UserError, ValueError):
+    pass
+  return line
