@@ -3,6 +3,7 @@
 Each CLI checks its whole input here before it writes, compiles or prints a status line, so that the
 first line a user sees for a bad input is one `error: ...` line (UserError, exit code 2):
 
+  packages(cfg)            optional packages the config turns on (tensorboardX for enable_tensorboard)
   inputs(cfg)              the files a config names: load_parameters_path is a checkpoint step,
                            tokenizer_path / dataset_path exist, a fixed run_name that already
                            finished without checkpoints is not overwritten
@@ -225,9 +226,22 @@ def planned_platform() -> str | None:
 
 
 # ---- the phases ----
+def packages(cfg: Config) -> None:
+  """Optional packages the config turns on, checked here rather than found missing after the run directory exists."""
+  import importlib.util
+
+  if cfg.train.enable_tensorboard and importlib.util.find_spec("tensorboardX") is None:
+    raise UserError(
+      "enable_tensorboard=true needs tensorboardX, which is not installed here; "
+      "pip install tensorboardX, or set enable_tensorboard=false (metrics.jsonl has the same values)"
+    )
+
+
 def before_start(cfg: Config) -> None:
-  """Everything that needs no device: paths, the explicit mesh sizes against every tensor, the planned platform."""
+  """Everything that needs no device: paths, packages, the explicit mesh sizes against every tensor, the planned
+  platform."""
   inputs(cfg)
+  packages(cfg)
   sharding(cfg)
   backend(cfg, planned_platform())
 

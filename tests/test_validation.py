@@ -228,3 +228,15 @@ def test_xla_flags_are_checked_by_xla_itself_and_the_verdict_is_cached(tmp_path,
   assert xla_flags.probe(["--xla_gpu_enable_command_buffer=BOGUS"]) == [["xla_gpu_enable_command_buffer", "value"]]
   assert len(list(tmp_path.glob("xla_flag_probe-*.json"))) == 3
   assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_tensorboard_without_tensorboardx_is_one_line(tiny_config, monkeypatch):
+  """enable_tensorboard=true where tensorboardX is missing (e.g. a bare GPU image): refused before anything is
+  written, naming the two ways out; with it off the same config passes."""
+  import importlib.util
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
+  with pytest.raises(UserError, match=r"^enable_tensorboard=true needs tensorboardX.*enable_tensorboard=false"):
+    validate.packages(tiny_config("enable_tensorboard=true"))
+  validate.packages(tiny_config("enable_tensorboard=false"))
