@@ -160,29 +160,6 @@ def memory_fraction_in_force() -> float:
   return fraction
 
 
-def per_device_bytes(tree, shardings) -> int:
-  """Bytes one device holds of `tree` (abstract arrays) placed by `shardings`."""
-  import jax
-  import numpy as np
-
-  total = 0
-  for leaf, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-    total += int(np.prod(s.shard_shape(leaf.shape), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-  return total
-
-
-def host_bytes(tree, shardings) -> int:
-  """Bytes of `tree` per device placed in host memory (memory_kind pinned_host / unpinned_host)."""
-  import jax
-
-  host = [
-    (a, s)
-    for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
-    if "host" in (getattr(s, "memory_kind", None) or "")
-  ]
-  return per_device_bytes([a for a, _ in host], [s for _, s in host]) if host else 0
-
-
 def uses_fp8(cfg) -> bool:
   q = getattr(cfg.model, "quantization", None) or getattr(cfg.moe, "quantization", None) or ""
   return "fp8" in q
@@ -199,7 +176,7 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
 
   from MaxText import compile_only
   from MaxText.model import Batch
-  from MaxText.sharding import make_mesh
+  from MaxText.sharding import host_bytes, make_mesh, per_device_bytes
   from MaxText.train_step import Trainer
 
   spec = compile_only.GPUS[gpu]

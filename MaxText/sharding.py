@@ -121,3 +121,21 @@ class Sharder:
     spec = logical_to_spec((axis,))[0]
     names = () if spec is None else (spec,) if isinstance(spec, str) else spec
     return int(np.prod([self.mesh.shape[a] for a in names], dtype=np.int64))
+
+
+def per_device_bytes(tree, shardings) -> int:
+  """Bytes one device holds of `tree` (abstract arrays) placed by `shardings`."""
+  total = 0
+  for leaf, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    total += int(np.prod(s.shard_shape(leaf.shape), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def host_bytes(tree, shardings) -> int:
+  """Bytes of `tree` per device placed in host memory (memory_kind pinned_host / unpinned_host)."""
+  host = [
+    (a, s)
+    for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+    if "host" in (getattr(s, "memory_kind", None) or "")
+  ]
+  return per_device_bytes([a for a, _ in host], [s for _, s in host]) if host else 0

@@ -105,8 +105,7 @@ def overrides_of(cand: dict) -> list[str]:
 
 def state_bytes(cfg, devices) -> dict:
   """Per-GPU bytes of the train state under cfg's mesh on `devices`, from its shardings (nothing compiled)."""
-  from MaxText.aot import per_device_bytes
-  from MaxText.sharding import make_mesh
+  from MaxText.sharding import make_mesh, per_device_bytes
   from MaxText.train_step import Trainer
 
   with contextlib.redirect_stdout(io.StringIO()):  # the Trainer names its expert GEMM: once is enough
