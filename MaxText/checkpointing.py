@@ -183,6 +183,22 @@ class Checkpointer:
     self.manager.close()
 
 
+def check_parameters(state_dir: Path, abstract_params, path: str) -> None:
+  """UserError when the checkpoint state directory `state_dir` (given as `path`) holds parameters of other shapes
+  or dtypes than `abstract_params`, read from its metadata only (nothing is restored)."""
+  meta = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+  saved = _leaf_map(meta, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  want = {f"params/{k}": v for k, v in _leaf_map(abstract_params).items()}
+  bad = sorted(k for k in want if saved.get(k) != want[k])
+  if bad:
+    first = bad[0]
+    raise UserError(
+      f"load_parameters_path {path}: parameters do not match this model "
+      f"({first}: checkpoint {_fmt(saved.get(first))}, now {_fmt(want[first])}); "
+      "use the model config (and weight_dtype) the checkpoint was written with"
+    )
+
+
 def load_parameters(path: str, abstract_params) -> dict:
   """The params of the checkpoint at `path` (a step directory or its state/ item), sharded like `abstract_params`."""
   p = Path(path).expanduser().absolute()
@@ -190,21 +206,10 @@ def load_parameters(path: str, abstract_params) -> dict:
     p = p / "state"
   if not (p / "_METADATA").exists():
     raise UserError(f"load_parameters_path {path} is not a checkpoint step directory (no state/_METADATA)")
-  checkpointer = ocp.PyTreeCheckpointer()
-  saved = _leaf_map(
-    checkpointer.metadata(p).item_metadata.tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
-  )
-  want = {f"params/{k}": v for k, v in _leaf_map(abstract_params).items()}
-  bad = sorted(k for k in want if saved.get(k) != want[k])
-  if bad:
-    first = bad[0]
-    raise UserError(
-      f"load_parameters_path {path}: parameters do not match this model "
-      f"({first}: checkpoint {_fmt(saved.get(first))}, now {_fmt(want[first])})"
-    )
+  check_parameters(p, abstract_params, path)
   target = {"params": abstract_params}
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-  restored = checkpointer.restore(
+  restored = ocp.PyTreeCheckpointer().restore(
     p, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
   )
   return restored["params"]

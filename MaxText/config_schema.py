@@ -265,6 +265,7 @@ class TrainConfig:
   profiler: str = choice("", "xplane")
   skip_first_n_steps_for_profiler: int = at_least(0)
   profiler_steps: int = at_least(1)
+  metrics_trace_period: int = at_least(0)  # 0 = off
   # Checkpoints, resume and faults.
   enable_checkpointing: bool
   async_checkpointing: bool

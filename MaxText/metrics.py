@@ -32,8 +32,13 @@ def format_line(step: int, m: dict) -> str:
     parts.append(f"ep sent {m['ep_sent_bytes'] / 2**20:,.1f} MiB (no dedup {m['ep_sent_bytes_nodedup'] / 2**20:,.1f})")
   if m.get("ep_overflow"):
     parts.append(f"EP OVERFLOW {m['ep_overflow']}")
+  if m.get("gmm_ms") is not None:  # metrics_trace_period: device time from a trace of this step
+    parts.append(f"gmm {m['gmm_ms']:.1f} ms")
+    parts.append(f"dispatch {m['dispatch_ms']:.1f} ms")
   if m.get("profiled"):
     parts.append("profiling (time not representative)")
+  if m.get("traced"):
+    parts.append("traced (time not representative)")
   if m.get("compiled"):
     parts.append("compiled first (time not representative)")
   return " | ".join(parts)

@@ -131,6 +131,23 @@ def tokens_str(n: int) -> str:
   return str(n)
 
 
+def phase_at(phases: "list[Phase]", step: int) -> Phase | None:
+  """The segment of `phases` in force at `step` (None after the last one ended)."""
+  for ph in phases:
+    if ph.end_step is None or step < ph.end_step:
+      return ph
+  return None
+
+
+def span(ph: Phase) -> str:
+  """How long segment `ph` lasts, for the log."""
+  if ph.end_step is None:
+    return "to the end"
+  if ph.segment.unit == "steps":
+    return f"for {ph.length} steps (to step {ph.end_step})"
+  return f"for {tokens_str(ph.length)} tokens (to step {ph.end_step})"
+
+
 class Tokens:
   """The tokens consumed before each step, exact in Python integers: steps fall into runs of equal tokens
   per step, the last run lasting to the end (a constant batch is one run from step 0)."""
@@ -259,10 +276,7 @@ class Schedule:
   # ---- on the host ----
   def phase_at(self, step: int) -> Phase | None:
     """The segment in force at `step` (None after the last one ended)."""
-    for ph in self.phases:
-      if ph.end_step is None or step < ph.end_step:
-        return ph
-    return None
+    return phase_at(self.phases, step)
 
   def at(self, step: int) -> float:
     """The value at `step` in float64 on the host (for the log; the step uses __call__)."""
@@ -273,14 +287,8 @@ class Schedule:
     if ph is None:
       return f"holds {_fmt(self.final)} to the end"
     seg = ph.segment
-    if ph.end_step is None:
-      span = "to the end"
-    elif seg.unit == "steps":
-      span = f"for {ph.length} steps (to step {ph.end_step})"
-    else:
-      span = f"for {tokens_str(ph.length)} tokens (to step {ph.end_step})"
     what = _fmt(seg.value) if seg.shape == "constant" else f"{seg.shape} {_fmt(ph.start_value)} -> {_fmt(seg.value)}"
-    return f"{what} {span}"
+    return f"{what} {span(ph)}"
 
   def boundaries(self) -> list[int]:
     """Steps where a segment starts or the last one ends, each once, in order."""
@@ -381,27 +389,15 @@ class BatchSizes:
     return {count for _, count in self.runs[i:]}
 
   # ---- the log, as Schedule's ----
-  def _phase_at(self, step: int) -> Phase | None:
-    for ph in self.phases:
-      if ph.end_step is None or step < ph.end_step:
-        return ph
-    return None
-
   def _describe(self, step: int) -> str:
     n = self.microbatches(step)
-    ph = self._phase_at(step)
+    ph = phase_at(self.phases, step)
     if ph is None:
       where = f"holds {self.final} to the end"
     else:
       seg = ph.segment
       what = f"{seg.value:.0f}" if seg.shape == "constant" else f"linear {ph.start_value} -> {seg.value:.0f}"
-      if ph.end_step is None:
-        span = "to the end"
-      elif seg.unit == "steps":
-        span = f"for {ph.length} steps (to step {ph.end_step})"
-      else:
-        span = f"for {tokens_str(ph.length)} tokens (to step {ph.end_step})"
-      where = f"{what} {span}"
+      where = f"{what} {span(ph)}"
     return f"{n} microbatch(es) of {self.micro}; {where}"
 
   def boundaries(self) -> list[int]:

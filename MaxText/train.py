@@ -3,9 +3,10 @@
 config (validated, nothing written yet) -> mesh -> data (opened and checked)
 -> latest checkpoint (checked against the config) -> run directory -> state
 (restored, or initialised) -> compile the step (with progress) -> loop: data ->
-step -> metrics, a checkpoint every checkpoint_period steps, at the end and on
-SIGTERM. Under batch_size_schedule each step reads its microbatches from the
-data iterator one by one and runs the step compiled for their number.
+step -> metrics (with device times from a short trace every metrics_trace_period
+steps), a checkpoint every checkpoint_period steps, at the end and on SIGTERM.
+Under batch_size_schedule each step reads its microbatches from the data
+iterator one by one and runs the step compiled for their number.
 
 Exit codes: 0 finished; 2 bad input (one `error:` line, nothing written);
 1 the loss went NaN/Inf under nan_policy=stop (the last checkpoint is intact);
@@ -316,7 +317,7 @@ def next_batch(trainer, data, step: int):
 
 class StepLog:
   """Each step's metrics, fetched one step late so that the device never waits for the host: logged every
-  log_period steps (and at the last, a non-finite or an overflowing one), kept in `history`.
+  log_period steps (and at the last, a traced, a non-finite or an overflowing one), kept in `history`.
 
   Raises NonFiniteLoss (nan_policy=stop) or EpBufferOverflow at the fetch that finds one."""
 
@@ -329,9 +330,17 @@ class StepLog:
     self.compiled_at: set[int] = set()  # steps whose time includes compiling the step (batch_size_schedule)
     self.history: list[dict] = []
     self.pending = None  # (step, metrics on device)
+    self.traces: dict[int, dict] = {}  # step -> its metrics_trace_period values (profile.MetricsTracer)
 
   def dispatched(self, step: int, metrics) -> None:
     self.clock.dispatched(step, metrics)
+
+  def traced(self, step: int, values: dict) -> None:
+    """Step `step`'s trace values, logged with its metrics. The trace's cost counts in this step's time: a step
+    timed as its dispatch returned (StepClock) ends only now."""
+    self.traces[step] = values
+    if step in self.clock.finished:
+      self.clock.finished[step] = time.perf_counter()
 
   def defer(self, step: int, metrics) -> None:
     """Fetches the step before and keeps this one's metrics for the next fetch."""
@@ -353,10 +362,11 @@ class StepLog:
       values["profiled"] = 1  # tracing, and the wait that ends it (the next step's time too): out of the medians
     if step in self.compiled_at:
       values["compiled"] = 1  # a new microbatch count compiled first: out of the medians
+    values.update(self.traces.pop(step, {}))  # metrics_trace_period: traced, out of the medians
     self.history.append({"step": step, **values})
     finite = math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])
     overflow = values.get("ep_overflow", 0)
-    if step % t.log_period == 0 or step == t.steps - 1 or not finite or overflow:
+    if step % t.log_period == 0 or step == t.steps - 1 or values.get("traced") or not finite or overflow:
       self.writer.write(step, values)
       self.writer.flush()
     if overflow:
@@ -419,6 +429,14 @@ def execute(run: Run) -> list[dict]:
     from MaxText.profile import StepProfiler
 
     profiler = StepProfiler(run.run_dir / "profile", run.first_profiled, t.profiler_steps, step_fn.as_text())
+  tracer = None
+  if t.metrics_trace_period:
+    from MaxText.profile import MetricsTracer
+
+    # Never in the profiler window nor the step after it (one jax.profiler trace at a time); every process knows
+    # the traced steps, process 0 traces them.
+    window = range(run.first_profiled, run.first_profiled + t.profiler_steps + 1) if t.profiler else range(0)
+    tracer = MetricsTracer(run.run_dir, t.metrics_trace_period, start, window, active=jax.process_index() == 0)
   writer = MetricsWriter(run.run_dir, t.enable_tensorboard, files=jax.process_index() == 0)  # one writer per run
   log = StepLog(run, writer, profiler, start)
   log.data_wait[start] = data_wait
@@ -433,12 +451,19 @@ def execute(run: Run) -> list[dict]:
       for step in range(start, t.steps):
         for line in schedule_lines.get(step, ()):
           print(line, flush=True)
+        compiled = step_fns(step, state, batch)  # compiles first for a new microbatch count
+        traced = tracer is not None and tracer.wants(step)
+        if traced:
+          log.fetch()  # the step before is timed without the trace, which this step's time holds all of
+          tracer.before(step, state)
         if profiler:
           profiler.before(step, state)
-        state, metrics = step_fns(step, state, batch)(state, batch)
+        state, metrics = compiled(state, batch)
         log.dispatched(step, metrics)
         if profiler:
           profiler.after(step, state)
+        if traced and (values := tracer.after(step, state, compiled)):
+          log.traced(step, values)
         done = step + 1  # state.step once this step has run
         stop = preemption.should_stop(done)
         save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
@@ -457,6 +482,8 @@ def execute(run: Run) -> list[dict]:
           log.defer(step, metrics)
       log.fetch()
   finally:
+    if tracer is not None:
+      tracer.close()
     writer.close()
     if ckpt is not None:
       ckpt.wait()
@@ -481,18 +508,32 @@ def execute(run: Run) -> list[dict]:
   return history
 
 
+TRACE_KEYS = (
+  "gmm_ms",
+  "dispatch_ms",
+  "device_busy_ms",
+  "kernel_ms",
+  "graphs_ms",
+  "metrics_trace_s",
+)  # metrics_trace_period
+
+
 def summarize(history: list[dict], compile_s: float) -> dict:
-  """Medians over the steps after the first two (which include warm-up) and outside a profiled window,
-  and peak device memory."""
+  """Medians over the steps after the first two (which include warm-up), outside a profiled window and not
+  traced (metrics_trace_period), the traced steps' medians of their trace values, and peak device memory."""
   import statistics
 
   import jax
 
-  steady = [h for h in history[2:] if not h.get("profiled") and not h.get("compiled")] or history
+  steady = [h for h in history[2:] if not (h.get("profiled") or h.get("compiled") or h.get("traced"))] or history
   summary = {"steps": len(history), "compile_s": compile_s, "final_loss": history[-1]["loss"]}
   for key in ("step_time_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "data_wait_s"):
     values = [h[key] for h in steady if h.get(key) is not None]
     summary[f"median_{key}"] = statistics.median(values) if values else None
+  for key in TRACE_KEYS:
+    values = [h[key] for h in history if h.get("traced") and h.get(key) is not None]
+    if values:
+      summary[f"median_{key}"] = statistics.median(values)
   stats = jax.local_devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     summary["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30

@@ -259,21 +259,7 @@ def devices(cfg: Config, num_devices: int, num_slices: int = 1, platform=None, d
 def parameters_match(path: str, abstract_params) -> None:
   """UserError when the checkpoint at load_parameters_path holds parameters of other shapes or dtypes than the
   model's (read from its metadata only), so that the mismatch stops a run before its directory is written."""
-  import orbax.checkpoint as ocp
+  from MaxText.checkpointing import check_parameters
 
-  from MaxText.checkpointing import _fmt, _leaf_map
-
-  if _remote(path):
-    return
-  state = checkpoint_step_dir(path)
-  meta = ocp.PyTreeCheckpointer().metadata(state).item_metadata.tree
-  saved = _leaf_map(meta, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-  want = {f"params/{k}": v for k, v in _leaf_map(abstract_params).items()}
-  bad = sorted(k for k in want if saved.get(k) != want[k])
-  if bad:
-    first = bad[0]
-    raise UserError(
-      f"load_parameters_path {path}: parameters do not match this model "
-      f"({first}: checkpoint {_fmt(saved.get(first))}, now {_fmt(want[first])}); "
-      "use the model config (and weight_dtype) the checkpoint was written with"
-    )
+  if not _remote(path):
+    check_parameters(checkpoint_step_dir(path), abstract_params, path)

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-import data_builders as build
 import test_faults as faults
 from conftest import REPO, TINY_RECIPE
 from MaxText import schedules
@@ -231,30 +230,11 @@ SEEN = [0, 64, 128, 192, 320, 448, 576]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  d = tmp_path_factory.mktemp("ramp")
-  docs = build.corpus(60)
-  return {
-    "dir": d,
-    "data": str(build.write_jsonl(d / "docs.jsonl", docs)),
-    "tokenizer": str(build.word_tokenizer(d / "tokenizer.json", docs)),
-    "vars": faults.child_env(d),
-  }
+  return faults.dataset_env(tmp_path_factory.mktemp("ramp"))
 
 
 def ramp_args(env, run_name, *overrides):
-  return [
-    str(TINY_RECIPE),
-    "dataset_type=grain",
-    "grain_file_type=jsonl",
-    f"grain_train_files={env['data']}",
-    "tokenizer_type=huggingface",
-    f"tokenizer_path={env['tokenizer']}",
-    "packing=true",
-    *RAMP,
-    f"base_output_directory={env['dir'] / 'runs'}",
-    f"run_name={run_name}",
-    *overrides,
-  ]
+  return faults.train_args(env, run_name, *RAMP, *overrides)
 
 
 def train_run(env, run_name, *overrides):

@@ -33,9 +33,8 @@ def child_env(d):
   }
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  d = tmp_path_factory.mktemp("faults")
+def dataset_env(d) -> dict:
+  """A packed JSON-lines dataset, its word tokenizer and a trainer subprocess's environment, all under `d`."""
   docs = build.corpus(60)
   return {
     "dir": d,
@@ -45,7 +44,8 @@ def env(tmp_path_factory):
   }
 
 
-def args(env, run_name, *overrides):
+def train_args(env, run_name, *overrides) -> list[str]:
+  """`python -m MaxText.train` arguments: the tiny recipe on env's dataset, run `run_name`, then `overrides`."""
   return [
     str(TINY_RECIPE),
     "dataset_type=grain",
@@ -54,6 +54,21 @@ def args(env, run_name, *overrides):
     "tokenizer_type=huggingface",
     f"tokenizer_path={env['tokenizer']}",
     "packing=true",
+    f"base_output_directory={env['dir'] / 'runs'}",
+    f"run_name={run_name}",
+    *overrides,
+  ]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  return dataset_env(tmp_path_factory.mktemp("faults"))
+
+
+def args(env, run_name, *overrides):
+  return train_args(
+    env,
+    run_name,
     "per_device_batch_size=4",
     "max_target_length=32",
     "remat_policy=none",
@@ -63,10 +78,8 @@ def args(env, run_name, *overrides):
     "log_period=1",
     "compile_heartbeat_seconds=0",
     f"learning_rate_schedule_steps={STEPS}",  # a schedule independent of steps: one compiled step for all runs
-    f"base_output_directory={env['dir'] / 'runs'}",
-    f"run_name={run_name}",
     *overrides,
-  ]
+  )
 
 
 def train_cmd(*argv):
