@@ -102,6 +102,19 @@ def cast_for_compute(params: dict, dtype) -> dict:
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def embed_tokens(table: jax.Array, ids: jax.Array, shard) -> jax.Array:
+  """The embedding table's rows for token ids [batch, seq] -> [batch, seq, embed].
+
+  The table's embed dim is split over fsdp like every weight, and the tokens over the batch axes, fsdp
+  among them. A lookup in the split table would give an output split over fsdp twice, which XLA's
+  partitioner resolves by replicating the whole [batch, seq, embed] activation on every device
+  ("Involuntary full rematerialization"). Gathering the table's embed dim first (the FSDP all-gather every
+  layer's weights get) leaves only the vocab split, which XLA looks up locally and sums; the table's
+  gradient leaves as a reduce-scatter."""
+  table = shard(table, ("vocab", None))
+  return shard(jnp.take(table, ids, axis=0), ("batch", "seq", "act_embed"))
+
+
 def decoder_layer(p, x, bias, rope, m: ModelConfig, moe_cfg: MoEConfig, shard, segment_ids=None):
   eps = m.normalization_layer_epsilon
   # Every use reads the named copy, so an offloaded layer input leaves no device copy behind.
@@ -180,7 +193,7 @@ def _forward(params: dict, bias: dict, batch: Batch, m: ModelConfig, moe_cfg: Mo
   seg = batch.segment_ids
 
   with jax.named_scope("embed"):
-    x = shard(jnp.take(p["embed"], batch.inputs, axis=0), ("batch", "seq", "act_embed"))
+    x = embed_tokens(p["embed"], batch.inputs, shard)
   none_i, none_f = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
   no_stats = MoEStats(jnp.zeros((0, moe_cfg.num_experts), jnp.int32), none_i, none_f, none_i, none_f, none_f)
   if "dense_layers" in p:
@@ -234,7 +247,7 @@ def _mtp(p, hidden, biases, batch: Batch, rope, m: ModelConfig, moe_cfg: MoEConf
     if seg is not None:
       shifted_seg = _shift_left(shifted_seg)
       loss_mask = mask * (shifted_seg == seg).astype(mask.dtype)
-    e = rms_norm(jnp.take(p["embed"], inputs, axis=0), mp["embed_norm"], eps)
+    e = rms_norm(embed_tokens(p["embed"], inputs, shard), mp["embed_norm"], eps)
     merged = jnp.concatenate([e, rms_norm(h, mp["hidden_norm"], eps)], axis=-1)
     h = jnp.einsum("bsc,cd->bsd", merged, mp["proj"])
     h, stats = decoder_layer(mp["layer"], h, b, rope, m, moe_cfg, shard, seg)
