@@ -19,6 +19,9 @@ on any machine, CPU included, and prints what one GPU would hold and do:
                    (MaxText/plan/: bytes, groups, intra/inter-node, overlap; NCCL's ring model;
                    --gpus-per-node, --fabric FILE of measured bandwidths); TFLOP/s, MFU, MoE
                    dispatch/combine per layer, weak scaling 8-1,024 GPUs
+  sharding         XLA's "Involuntary full rematerialization" warnings of the compile,
+                   counted, with the operations (MaxText/xla_warnings.py): each one
+                   replicates a whole tensor on every GPU; a recipe should have none
 
 Options:
   --gpu {h100,h200,b200}     the GPU kind; --num-gpus N how many
@@ -65,6 +68,7 @@ import sys
 import time
 from pathlib import Path
 
+from MaxText import xla_warnings
 from MaxText.errors import UserError, exit_on_user_error
 from MaxText.progress import progress
 
@@ -249,8 +253,9 @@ def compile_and_measure(
 
     mla.ATTENTION = {**mla.ATTENTION, "cudnn_flash": flash_stand_in.attention}
   start = time.perf_counter()
-  with progress(
-    f"Compiling the training step for {num_gpus} x {gpu} (compile-only)", cfg.train.compile_heartbeat_seconds
+  with (
+    xla_warnings.capture_stderr() as xla_log,
+    progress(f"Compiling the training step for {num_gpus} x {gpu} (compile-only)", cfg.train.compile_heartbeat_seconds),
   ):
     compiled = trainer.jit_step().lower(state, batch).compile()
   compile_s = time.perf_counter() - start
@@ -297,6 +302,7 @@ def compile_and_measure(
     "lower_bound_step_s": {"compute": compute_s, "memory": memory_s, "step": max(compute_s, memory_s)},
     "upper_bound_tokens_per_s_per_gpu": tokens / num_gpus / max(compute_s, memory_s, 1e-12),
     "prediction": predict_step(cfg, gpu, trainer.mesh, compiled.as_text(), memory, fabric_file),
+    "involuntary_rematerializations": xla_log.involuntary_rematerializations(),
   }
 
 
@@ -368,6 +374,7 @@ def format_report(r: dict) -> str:
       else []
     ),
     *(_prediction_lines(r) if r.get("prediction") else []),
+    xla_warnings.describe(r.get("involuntary_rematerializations", [])),
     "fits" if r["fits"] else "does NOT fit",
   ]
   return "\n".join(lines)

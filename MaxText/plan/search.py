@@ -462,6 +462,7 @@ def main(cfg, args, overrides, plan, format_report) -> int:
     r["compiled_fits"] = rep["fits"]
     r["peak_gib"] = m["peak"] / 2**30
     r["est_before_compile_gib"] = before
+    r["involuntary_rematerializations"] = len(rep.get("involuntary_rematerializations", []))
     if rep["compiled"]:
       s.cal.add(r["_terms"]["tokens"], working(r["_terms"]), m["peak"] - on_device_state(r["_terms"]))
     if rep.get("prediction"):
@@ -475,6 +476,11 @@ def main(cfg, args, overrides, plan, format_report) -> int:
       f"search: compiled ({why}) {_describe(r)}: peak {r['peak_gib']:.1f} GiB, estimated {before:.1f} GiB before "
       f"the compile ({err:+.0f}%); {'fits' if r['compiled_fits'] else 'does NOT fit'}"
       + (f"; predicted {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" if "tokens_per_s_per_gpu" in r else "")
+      + (
+        f"; {r['involuntary_rematerializations']} involuntary full rematerialization(s)"
+        if r["involuntary_rematerializations"]
+        else ""
+      )
       + f"; calibration now: {s.cal.describe()}",
       flush=True,
     )
