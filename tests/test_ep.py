@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -288,3 +289,30 @@ def test_dispatch_benchmark_cpu_dry_run(tmp_path):
     r["fwd_bwd_ms"] > 0 and r["overflow"] == 0 for r in results["layer"] if r["backend"] in ("dense_a2a", "allgather")
   )
   assert "nvidia-smi topo -m" in (tmp_path / "moe_dispatch.md").read_text()
+
+
+def test_expert_weight_gradients_leave_as_float32_reduce_scatters(tiny_config):
+  """Inside the shard_map each device gathers its experts' weights over fsdp; their gradient goes back as one
+  float32 reduce-scatter per weight (half the bytes of the all-reduce a boundary gather's gradient needs)."""
+  mesh = make_mesh(_cfg_mesh(tiny_config))
+  experts, x, cot = _inputs()
+  experts = {k: v.astype(jnp.bfloat16) for k, v in experts.items()}  # the compute dtype, as the model passes them
+  ids, w = _routing("random")
+  jaxpr = jax.make_jaxpr(_ep_step(_cfg(tiny_config, "moe_dispatch=dense_a2a"), mesh))(experts, x, w, ids, cot)
+
+  def eqns(j):
+    for e in j.eqns:
+      yield e
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        yield from eqns(sub)
+
+  found = list(eqns(jaxpr.jaxpr))
+  local = {k: (E // EP, *v.shape[1:]) for k, v in experts.items()}  # [local experts, embed or mlp, ...] gathered
+  scattered = [e for e in found if e.primitive.name == "reduce_scatter"]
+  shapes = sorted(tuple(e.invars[0].aval.shape) for e in scattered if e.invars[0].aval.dtype == jnp.float32)
+  assert shapes == sorted(local.values()), [(e.invars[0].aval, e.params.get("axis_name")) for e in scattered]
+  assert all(e.params["axis_name"] == ("fsdp",) for e in scattered)
+  weights_summed = [e for e in found if e.primitive.name == "psum" and any(
+    tuple(v.aval.shape) in local.values() for v in e.invars
+  )]  # fmt: skip
+  assert not weights_summed  # no all-reduce of the gathered weights' gradient

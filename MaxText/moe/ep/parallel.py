@@ -1,17 +1,23 @@
 """The routed experts under expert parallelism: one shard_map over the whole mesh.
 
 Tokens enter sharded like activations ("batch", "seq", ...), routing results likewise, and the
-expert weights by their parameter axes with only "exp" kept (the experts' other dims are gathered
-at the shard_map boundary); every spec comes from LOGICAL_RULES. Inside, each device holds its
+expert weights split over "exp" and, along their embed dim, over the FSDP axes as stored; every spec
+comes from LOGICAL_RULES. Inside, each device all-gathers its experts' weights over FSDP in the compute
+dtype, and their gradient leaves as a float32 reduce-scatter (`gather_weights`). Gathered at the
+boundary instead, the weights would enter replicated over FSDP, and their gradient would leave as an
+all-reduce of the whole gathered weights followed by a slice: twice the bytes of a reduce-scatter, on
+the largest tensors of the step. Inside, each device holds its
 tokens and its num_experts / R local experts, R = the size of the mesh axis "exp" maps to, and the
 backend moves copies to the experts' ranks and back. Ranks along other token axes (data, fsdp)
 run independent exchanges; ranks along axes the tokens are not split over (tensor) repeat the same
 work. The overflow and byte counters are summed over all token shards.
 """
 
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -30,6 +36,26 @@ def ep_axis() -> str:
   assert len(axes) == 1, f"expert parallelism needs 'exp' mapped to one mesh axis, not {axes}"
   assert axes[0] in _axes("batch"), f"tokens must be split over the expert axis {axes[0]} ('batch' -> {_axes('batch')})"
   return axes[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_weights(w: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """Inside shard_map: `w` all-gathered over mesh `axes` along `dim` (tiled), in its own dtype. Its gradient is
+  reduce-scattered back in float32, then rounded once to w's dtype: the sum over the FSDP ranks' tokens keeps
+  float32 precision, as the all-reduce it replaces did (a bf16 reduce-scatter would round at every hop)."""
+  return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+
+
+def _gather_fwd(w, axes, dim):
+  return gather_weights(w, axes, dim), None
+
+
+def _gather_bwd(axes, dim, _, g):  # g has the gathered weights' dtype, which is w's
+  summed = jax.lax.psum_scatter(g.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+  return (summed.astype(g.dtype),)
+
+
+gather_weights.defvjp(_gather_fwd, _gather_bwd)
 
 
 def single_device_mesh() -> Mesh:
@@ -56,10 +82,14 @@ def routed_ep(
   backend = get_backend(cfg.moe_dispatch)
   x_spec = logical_to_spec(("batch", "seq", "act_embed"))
   route_spec = logical_to_spec(("batch", "seq", None))
-  w_spec = logical_to_spec(("exp", None, None))
+  fsdp = tuple(a for a in _axes("embed") if mesh.shape.get(a, 1) > 1)  # the weights' embed dim is split over these
+  wi_spec = logical_to_spec(("exp", "embed" if fsdp else None, None))
+  wo_spec = logical_to_spec(("exp", None, "embed" if fsdp else None))
 
   def body(x, ids, w, wi_0, wi_1, wo):
     b, s, d = x.shape
+    if fsdp:
+      wi_0, wi_1, wo = gather_weights(wi_0, fsdp, 1), gather_weights(wi_1, fsdp, 1), gather_weights(wo, fsdp, 2)
     plan = EpPlan(axis, ranks, cfg.num_experts, k, b * s, cfg.moe_dedup, cfg.moe_ep_buffer_factor)
     with jax.named_scope("ep_dispatch"):
       got = backend.dispatch(x.reshape(b * s, d), ids.reshape(b * s, k), w.reshape(b * s, k), plan)
@@ -72,7 +102,7 @@ def routed_ep(
   run = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(x_spec, route_spec, route_spec, w_spec, w_spec, w_spec),
+    in_specs=(x_spec, route_spec, route_spec, wi_spec, wi_spec, wo_spec),
     out_specs=(x_spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
   )
   ids = expert_ids.reshape(batch, seq, k)
