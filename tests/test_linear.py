@@ -2,6 +2,7 @@
 GEMM's one-group case, against float32, on one device and under a mesh."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,6 +98,40 @@ def test_under_a_mesh_rows_split_like_the_batch():
   np.testing.assert_allclose(many[0], one[0], rtol=1e-5, atol=1e-6)
   want = jax.vjp(lambda x, w: jnp.einsum(spec, x, w, precision=jax.lax.Precision.HIGHEST), x, w)[1](dy)
   assert max(rel_err(g, w_) for g, w_ in zip(many[1:], want)) < GRAD_BOUND
+
+
+@pytest.mark.parametrize("spec,axes", [("bsd,df->bsf", ("embed", "mlp")), ("bsf,fd->bsd", ("mlp", "embed"))])
+def test_under_a_mesh_the_weights_fsdp_dim_is_gathered_inside_and_its_gradient_reduce_scattered(spec, axes):
+  """Told its weight's axes, the quantised GEMM keeps the weight split over fsdp into the shard_map (K's or N's
+  leading dim) and gathers it inside: the gradient leaves as one float32 reduce-scatter over fsdp, and every
+  value equals the whole-weight path's to float32 rounding."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 2, 4, 1), ("data", "fsdp", "expert", "tensor"))
+  sizes = {"b": 8, "s": 32, "d": 256, "f": 384}
+  lhs, rhs = spec.split("->")[0].split(",")
+  x = jax.random.normal(jax.random.key(0), [sizes[c] for c in lhs])
+  w = jax.random.normal(jax.random.key(1), [sizes[c] for c in rhs]) / 16
+  dy = jax.random.normal(jax.random.key(2), [sizes[c] for c in spec.split("->")[1]])
+  dense = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"))
+
+  def run(weight_axes):
+    y, vjp = jax.vjp(lambda x, w: dense(spec, x, w, "dense_mlp", weight_axes), x, w)
+    return (y, *vjp(dy))
+
+  split, whole = jax.jit(lambda: run(axes))(), jax.jit(lambda: run(()))()
+  for a, b in zip(split, whole):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  jaxpr = jax.make_jaxpr(lambda: run(axes))()
+  scattered = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "reduce_scatter"]
+  assert [(e.invars[0].aval.dtype, e.params["axis_name"]) for e in scattered] == [(jnp.float32, ("fsdp",))]
+  assert tuple(scattered[0].invars[0].aval.shape) == w.shape  # the whole weight's gradient, scattered
+  assert not [e for e in _equations(jax.make_jaxpr(lambda: run(()))().jaxpr) if e.primitive.name == "reduce_scatter"]
+
+
+def _equations(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      yield from _equations(sub)
 
 
 def _fp8_casts(cfg, p, bias, batch) -> int:

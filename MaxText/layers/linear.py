@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from MaxText.sharding import gather_weights, logical_to_spec
+
 GROUPS = ("attention", "dense_mlp", "shared_experts", "experts")
 # DeepSeek-V3's fp8 set (report, section 3.3): every linear layer of the decoder
 PRESETS = {"deepseek_v3": GROUPS, "experts": ("experts",)}
@@ -45,8 +47,10 @@ class Dense:
 
   gemm: an ExpertGemm (MaxText/gmm) or None; groups: the groups it runs; mesh: the device mesh (None on one
   device). Under a mesh the quantised GEMM runs per device in a shard_map: rows split like the activations'
-  batch axis, the weight whole on every device (the all-gather FSDP does before any GEMM), the weight's
-  gradient summed over the row shards by shard_map's transpose.
+  batch axis; the weight enters split as stored along its FSDP dim (from `axes`, its logical axes) and is
+  all-gathered inside (sharding.gather_weights), so its gradient leaves as a float32 reduce-scatter over
+  FSDP, summed over the other row axes by shard_map's transpose. A weight with no such dim enters whole
+  and its gradient is summed over every row shard.
   """
 
   def __init__(self, gemm=None, groups: tuple[str, ...] = (), mesh=None, row_axes: tuple[str, ...] = ()):
@@ -55,23 +59,43 @@ class Dense:
   def quantises(self, group: str) -> bool:
     return self.gemm is not None and group in self.groups
 
-  def __call__(self, spec: str, x: jax.Array, w: jax.Array, group: str) -> jax.Array:
+  def __call__(self, spec: str, x: jax.Array, w: jax.Array, group: str, axes: tuple[str | None, ...] = ()) -> jax.Array:
+    """`axes`: w's logical axes (its ParamSpec's), for the quantised GEMM under a mesh."""
     if not self.quantises(group):
       return jnp.einsum(spec, x, w)
     lhs, rhs, out, k = _split(spec)
     batch_shape, k_size = x.shape[: len(lhs) - k], math.prod(x.shape[len(lhs) - k :])
     n_shape = w.shape[k:]
-    y = self._gemm(x.reshape(-1, k_size), w.reshape(k_size, -1))
+    y = self._gemm(x.reshape(-1, k_size), w.reshape(k_size, -1), self._fsdp_split(axes, k))
     return y.reshape(*batch_shape, *n_shape)
 
-  def _gemm(self, x2, w2):
+  def _fsdp_split(self, axes: tuple[str | None, ...], k: int) -> tuple[int, tuple[str, ...]] | None:
+    """(dim of w as [K, N], mesh axes) when the weight's one dim split over row axes is K's or N's leading dim
+    (a split the reshape to [K, N] keeps); else None."""
+    if self.mesh is None or not axes:
+      return None
+    split = []
+    for dim, names in enumerate(logical_to_spec(axes)):
+      names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+      names = tuple(a for a in names if a in self.row_axes and self.mesh.shape[a] > 1)
+      if names:
+        split.append((dim, names))
+    if len(split) != 1 or split[0][0] not in (0, k):
+      return None
+    dim, names = split[0]
+    return (0 if dim == 0 else 1), names
+
+  def _gemm(self, x2, w2, fsdp):
     def one_group(x2, w2):
+      if fsdp is not None:
+        w2 = gather_weights(w2, fsdp[1], fsdp[0])
       return self.gemm(x2, w2[None], jnp.array([x2.shape[0]], jnp.int32))
 
     if self.mesh is None or self.mesh.size == 1:
       return one_group(x2, w2)
     rows = PartitionSpec(self.row_axes or None, None)
-    return jax.shard_map(one_group, mesh=self.mesh, in_specs=(rows, PartitionSpec()), out_specs=rows)(x2, w2)
+    w_spec = PartitionSpec() if fsdp is None else PartitionSpec(*[fsdp[1] if d == fsdp[0] else None for d in (0, 1)])
+    return jax.shard_map(one_group, mesh=self.mesh, in_specs=(rows, w_spec), out_specs=rows)(x2, w2)
 
 
 PLAIN = Dense()
@@ -81,7 +105,6 @@ def dense_for(cfg, mesh=None) -> Dense:
   """The Dense of a MoEConfig (quantization, moe_gmm_backend, mxfp8_impl, quantize_layers) on `mesh`: the
   registry entry the routed experts run, unfused, for the quantised groups other than "experts"."""
   from MaxText import gmm
-  from MaxText.sharding import logical_to_spec
 
   groups = tuple(g for g in parse_groups(cfg.quantize_layers) if g != "experts")
   if not cfg.quantization or not groups:

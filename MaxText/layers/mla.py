@@ -21,21 +21,30 @@ from MaxText.layers.rope import apply_rope, yarn_mscale
 from MaxText.params import ParamSpec
 
 
+# Each projection's logical axes (MaxText/sharding.py): its ParamSpec's, and what its GEMM is told (linear.Dense).
+AXES = {
+  "wq_a": ("embed", "q_lora"),
+  "wq_b": ("q_lora_in", "heads", "head_dim"),
+  "wq": ("embed", "heads", "head_dim"),
+  "wkv_a": ("embed", "kv_lora"),
+  "wkv_b": ("kv_lora_in", "heads", "head_dim"),
+  "wo": ("heads", "head_dim", "embed"),
+}
+
+
 def mla_specs(cfg: ModelConfig) -> dict:
   d, h = cfg.emb_dim, cfg.base_num_query_heads
   specs = {}
   if cfg.q_lora_rank > 0:
-    specs["wq_a"] = ParamSpec((d, cfg.q_lora_rank), ("embed", "q_lora"))
+    specs["wq_a"] = ParamSpec((d, cfg.q_lora_rank), AXES["wq_a"])
     specs["q_norm"] = rms_norm_spec(cfg.q_lora_rank)
-    specs["wq_b"] = ParamSpec((cfg.q_lora_rank, h, cfg.qk_head_dim), ("q_lora_in", "heads", "head_dim"))
+    specs["wq_b"] = ParamSpec((cfg.q_lora_rank, h, cfg.qk_head_dim), AXES["wq_b"])
   else:
-    specs["wq"] = ParamSpec((d, h, cfg.qk_head_dim), ("embed", "heads", "head_dim"))
-  specs["wkv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
+    specs["wq"] = ParamSpec((d, h, cfg.qk_head_dim), AXES["wq"])
+  specs["wkv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), AXES["wkv_a"])
   specs["kv_norm"] = rms_norm_spec(cfg.kv_lora_rank)
-  specs["wkv_b"] = ParamSpec(
-    (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora_in", "heads", "head_dim")
-  )
-  specs["wo"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
+  specs["wkv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), AXES["wkv_b"])
+  specs["wo"] = ParamSpec((h, cfg.v_head_dim, d), AXES["wo"])
   return specs
 
 
@@ -113,20 +122,24 @@ def mla(
   segment_ids [batch, seq] or None (see dot_product_attention); dense runs the projections' GEMMs
   (layers/linear.py: group "attention")."""
   eps, nope = cfg.normalization_layer_epsilon, cfg.qk_nope_head_dim
+
+  def proj(spec: str, x: jax.Array, name: str) -> jax.Array:
+    return dense(spec, x, p[name], "attention", AXES[name])
+
   with jax.named_scope("mla_q"):
     if cfg.q_lora_rank > 0:
-      q = rms_norm(checkpoint_name(dense("bsd,dr->bsr", x, p["wq_a"], "attention"), "mla_q"), p["q_norm"], eps)
-      q = dense("bsr,rhk->bshk", q, p["wq_b"], "attention")
+      q = rms_norm(checkpoint_name(proj("bsd,dr->bsr", x, "wq_a"), "mla_q"), p["q_norm"], eps)
+      q = proj("bsr,rhk->bshk", q, "wq_b")
     else:
-      q = dense("bsd,dhk->bshk", x, p["wq"], "attention")
+      q = proj("bsd,dhk->bshk", x, "wq")
     q = shard(q, ("batch", "seq", "act_heads", None))
     q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], *rope)
 
   with jax.named_scope("mla_kv"):
-    kv_a = checkpoint_name(dense("bsd,dr->bsr", x, p["wkv_a"], "attention"), "mla_kv")
+    kv_a = checkpoint_name(proj("bsd,dr->bsr", x, "wkv_a"), "mla_kv")
     latent = rms_norm(kv_a[..., : cfg.kv_lora_rank], p["kv_norm"], eps)
     k_rope = apply_rope(kv_a[..., None, cfg.kv_lora_rank :], *rope)[:, :, 0, :]  # one head, shared
-    kv = shard(dense("bsr,rhk->bshk", latent, p["wkv_b"], "attention"), ("batch", "seq", "act_heads", None))
+    kv = shard(proj("bsr,rhk->bshk", latent, "wkv_b"), ("batch", "seq", "act_heads", None))
     k_nope, v = kv[..., :nope], kv[..., nope:]
 
   with jax.named_scope("attention"):
@@ -140,4 +153,4 @@ def mla(
     out = checkpoint_name(out, "attention_out")
 
   with jax.named_scope("attention_out"):
-    return checkpoint_name(dense("bshk,hkd->bsd", out, p["wo"], "attention"), "out_proj")
+    return checkpoint_name(proj("bshk,hkd->bsd", out, "wo"), "out_proj")

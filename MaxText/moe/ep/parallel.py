@@ -3,27 +3,22 @@
 Tokens enter sharded like activations ("batch", "seq", ...), routing results likewise, and the
 expert weights split over "exp" and, along their embed dim, over the FSDP axes as stored; every spec
 comes from LOGICAL_RULES. Inside, each device all-gathers its experts' weights over FSDP in the compute
-dtype, and their gradient leaves as a float32 reduce-scatter (`gather_weights`). Gathered at the
-boundary instead, the weights would enter replicated over FSDP, and their gradient would leave as an
-all-reduce of the whole gathered weights followed by a slice: twice the bytes of a reduce-scatter, on
-the largest tensors of the step. Inside, each device holds its
-tokens and its num_experts / R local experts, R = the size of the mesh axis "exp" maps to, and the
-backend moves copies to the experts' ranks and back. Ranks along other token axes (data, fsdp)
+dtype, and their gradient (the largest of the step) leaves as a float32 reduce-scatter
+(sharding.gather_weights). Each device holds its tokens and its num_experts / R local experts, R = the
+size of the mesh axis "exp" maps to, and the backend moves copies to the experts' ranks and back. Ranks along other token axes (data, fsdp)
 run independent exchanges; ranks along axes the tokens are not split over (tensor) repeat the same
 work. The overflow and byte counters are summed over all token shards.
 """
 
-import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from MaxText.config_schema import MoEConfig
 from MaxText.moe.ep import EpPlan, get_backend
-from MaxText.sharding import LOGICAL_RULES, MESH_AXES, logical_to_spec
+from MaxText.sharding import LOGICAL_RULES, MESH_AXES, gather_weights, logical_to_spec
 
 
 def _axes(name: str) -> tuple[str, ...]:
@@ -36,26 +31,6 @@ def ep_axis() -> str:
   assert len(axes) == 1, f"expert parallelism needs 'exp' mapped to one mesh axis, not {axes}"
   assert axes[0] in _axes("batch"), f"tokens must be split over the expert axis {axes[0]} ('batch' -> {_axes('batch')})"
   return axes[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_weights(w: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
-  """Inside shard_map: `w` all-gathered over mesh `axes` along `dim` (tiled), in its own dtype. Its gradient is
-  reduce-scattered back in float32, then rounded once to w's dtype: the sum over the FSDP ranks' tokens keeps
-  float32 precision, as the all-reduce it replaces did (a bf16 reduce-scatter would round at every hop)."""
-  return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
-
-
-def _gather_fwd(w, axes, dim):
-  return gather_weights(w, axes, dim), None
-
-
-def _gather_bwd(axes, dim, _, g):  # g has the gathered weights' dtype, which is w's
-  summed = jax.lax.psum_scatter(g.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
-  return (summed.astype(g.dtype),)
-
-
-gather_weights.defvjp(_gather_fwd, _gather_bwd)
 
 
 def single_device_mesh() -> Mesh:
