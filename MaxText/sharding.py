@@ -9,7 +9,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -143,22 +142,23 @@ def host_bytes(tree, shardings) -> int:
   return per_device_bytes([a for a, _ in host], [s for _, s in host]) if host else 0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_weights(w: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_weights(w: jax.Array, axes: tuple[str, ...], dim: int, reduce_dtype: str = "float32") -> jax.Array:
   """Inside shard_map: a weight split over mesh `axes` along `dim`, all-gathered (tiled) in its own dtype, as
-  FSDP does before a GEMM. Its gradient is reduce-scattered back in float32, then rounded once to w's dtype:
-  the sum over the ranks' tokens keeps float32 precision (a bf16 reduce-scatter would round at every hop).
+  FSDP does before a GEMM. Its gradient is reduce-scattered back in `reduce_dtype` (weight_grad_reduce_dtype),
+  then cast to w's dtype: float32 keeps the sum over the ranks' tokens at float32 precision; bfloat16 moves
+  half the bytes and rounds at every hop.
   Gathered at a shard_map's boundary instead, the weight would enter replicated over `axes`, and its gradient
   would leave as an all-reduce of the whole weight followed by a slice: twice the bytes."""
   return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
 
 
-def _gather_fwd(w, axes, dim):
-  return gather_weights(w, axes, dim), None
+def _gather_fwd(w, axes, dim, reduce_dtype):
+  return gather_weights(w, axes, dim, reduce_dtype), None
 
 
-def _gather_bwd(axes, dim, _, g):  # g has the gathered weights' dtype, which is w's
-  summed = jax.lax.psum_scatter(g.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+def _gather_bwd(axes, dim, reduce_dtype, _, g):  # g has the gathered weights' dtype, which is w's
+  summed = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
   return (summed.astype(g.dtype),)
 
 

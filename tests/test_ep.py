@@ -291,14 +291,17 @@ def test_dispatch_benchmark_cpu_dry_run(tmp_path):
   assert "nvidia-smi topo -m" in (tmp_path / "moe_dispatch.md").read_text()
 
 
-def test_expert_weight_gradients_leave_as_float32_reduce_scatters(tiny_config):
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_expert_weight_gradients_leave_as_reduce_scatters(tiny_config, reduce_dtype):
   """Inside the shard_map each device gathers its experts' weights over fsdp; their gradient goes back as one
-  float32 reduce-scatter per weight (half the bytes of the all-reduce a boundary gather's gradient needs)."""
+  reduce-scatter per weight in weight_grad_reduce_dtype (half the bytes of the all-reduce a boundary
+  gather's gradient needs)."""
   mesh = make_mesh(_cfg_mesh(tiny_config))
   experts, x, cot = _inputs()
   experts = {k: v.astype(jnp.bfloat16) for k, v in experts.items()}  # the compute dtype, as the model passes them
   ids, w = _routing("random")
-  jaxpr = jax.make_jaxpr(_ep_step(_cfg(tiny_config, "moe_dispatch=dense_a2a"), mesh))(experts, x, w, ids, cot)
+  cfg = _cfg(tiny_config, "moe_dispatch=dense_a2a", f"weight_grad_reduce_dtype={reduce_dtype}")
+  jaxpr = jax.make_jaxpr(_ep_step(cfg, mesh))(experts, x, w, ids, cot)
 
   def eqns(j):
     for e in j.eqns:
@@ -309,7 +312,7 @@ def test_expert_weight_gradients_leave_as_float32_reduce_scatters(tiny_config):
   found = list(eqns(jaxpr.jaxpr))
   local = {k: (E // EP, *v.shape[1:]) for k, v in experts.items()}  # [local experts, embed or mlp, ...] gathered
   scattered = [e for e in found if e.primitive.name == "reduce_scatter"]
-  shapes = sorted(tuple(e.invars[0].aval.shape) for e in scattered if e.invars[0].aval.dtype == jnp.float32)
+  shapes = sorted(tuple(e.invars[0].aval.shape) for e in scattered if e.invars[0].aval.dtype == jnp.dtype(reduce_dtype))
   assert shapes == sorted(local.values()), [(e.invars[0].aval, e.params.get("axis_name")) for e in scattered]
   assert all(e.params["axis_name"] == ("fsdp",) for e in scattered)
   weights_summed = [e for e in found if e.primitive.name == "psum" and any(

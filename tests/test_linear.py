@@ -123,6 +123,11 @@ def test_under_a_mesh_the_weights_fsdp_dim_is_gathered_inside_and_its_gradient_r
   jaxpr = jax.make_jaxpr(lambda: run(axes))()
   scattered = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "reduce_scatter"]
   assert [(e.invars[0].aval.dtype, e.params["axis_name"]) for e in scattered] == [(jnp.float32, ("fsdp",))]
+  halved = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"), "bfloat16")
+  bf16 = jax.make_jaxpr(lambda: jax.vjp(lambda w: halved(spec, x, w, "dense_mlp", axes), w)[1](dy))()
+  assert [e.invars[0].aval.dtype for e in _equations(bf16.jaxpr) if e.primitive.name == "reduce_scatter"] == [
+    jnp.bfloat16
+  ]
   assert tuple(scattered[0].invars[0].aval.shape) == w.shape  # the whole weight's gradient, scattered
   assert not [e for e in _equations(jax.make_jaxpr(lambda: run(()))().jaxpr) if e.primitive.name == "reduce_scatter"]
 

@@ -48,13 +48,16 @@ class Dense:
   gemm: an ExpertGemm (MaxText/gmm) or None; groups: the groups it runs; mesh: the device mesh (None on one
   device). Under a mesh the quantised GEMM runs per device in a shard_map: rows split like the activations'
   batch axis; the weight enters split as stored along its FSDP dim (from `axes`, its logical axes) and is
-  all-gathered inside (sharding.gather_weights), so its gradient leaves as a float32 reduce-scatter over
-  FSDP, summed over the other row axes by shard_map's transpose. A weight with no such dim enters whole
-  and its gradient is summed over every row shard.
+  all-gathered inside (sharding.gather_weights), so its gradient leaves as a reduce-scatter over FSDP
+  (in weight_grad_reduce_dtype), summed over the other row axes by shard_map's transpose. A weight with no
+  such dim enters whole and its gradient is summed over every row shard.
   """
 
-  def __init__(self, gemm=None, groups: tuple[str, ...] = (), mesh=None, row_axes: tuple[str, ...] = ()):
+  def __init__(
+    self, gemm=None, groups: tuple[str, ...] = (), mesh=None, row_axes: tuple[str, ...] = (), reduce_dtype="float32"
+  ):
     self.gemm, self.groups, self.mesh, self.row_axes = gemm, frozenset(groups), mesh, row_axes
+    self.reduce_dtype = reduce_dtype  # weight_grad_reduce_dtype
 
   def quantises(self, group: str) -> bool:
     return self.gemm is not None and group in self.groups
@@ -88,7 +91,7 @@ class Dense:
   def _gemm(self, x2, w2, fsdp):
     def one_group(x2, w2):
       if fsdp is not None:
-        w2 = gather_weights(w2, fsdp[1], fsdp[0])
+        w2 = gather_weights(w2, fsdp[1], fsdp[0], self.reduce_dtype)
       return self.gemm(x2, w2[None], jnp.array([x2.shape[0]], jnp.int32))
 
     if self.mesh is None or self.mesh.size == 1:
@@ -112,7 +115,7 @@ def dense_for(cfg, mesh=None) -> Dense:
   name = gmm.entry_name(cfg.quantization, cfg.moe_gmm_backend, gmm.resolve_mxfp8(cfg.mxfp8_impl, jax.devices()[0]))
   batch = logical_to_spec(("batch",))[0]  # the mesh axes the activations' batch is split over
   row_axes = (batch,) if isinstance(batch, str) else tuple(batch or ())
-  return Dense(gmm.build(name, gmm.Options(False, False)), groups, mesh, row_axes)
+  return Dense(gmm.build(name, gmm.Options(False, False)), groups, mesh, row_axes, cfg.weight_grad_reduce_dtype)
 
 
 def _split(spec: str) -> tuple[str, str, str, int]:

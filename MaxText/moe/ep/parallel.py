@@ -3,11 +3,12 @@
 Tokens enter sharded like activations ("batch", "seq", ...), routing results likewise, and the
 expert weights split over "exp" and, along their embed dim, over the FSDP axes as stored; every spec
 comes from LOGICAL_RULES. Inside, each device all-gathers its experts' weights over FSDP in the compute
-dtype, and their gradient (the largest of the step) leaves as a float32 reduce-scatter
-(sharding.gather_weights). Each device holds its tokens and its num_experts / R local experts, R = the
-size of the mesh axis "exp" maps to, and the backend moves copies to the experts' ranks and back. Ranks along other token axes (data, fsdp)
-run independent exchanges; ranks along axes the tokens are not split over (tensor) repeat the same
-work. The overflow and byte counters are summed over all token shards.
+dtype, and their gradient (the largest of the step) leaves as a reduce-scatter in
+weight_grad_reduce_dtype (sharding.gather_weights). Each device holds its tokens and its num_experts / R
+local experts, R = the size of the mesh axis "exp" maps to, and the backend moves copies to the experts'
+ranks and back. Ranks along other token axes (data, fsdp) run independent exchanges; ranks along axes
+the tokens are not split over (tensor) repeat the same work. The overflow and byte counters are summed
+over all token shards.
 """
 
 import math
@@ -64,7 +65,9 @@ def routed_ep(
   def body(x, ids, w, wi_0, wi_1, wo):
     b, s, d = x.shape
     if fsdp:
-      wi_0, wi_1, wo = gather_weights(wi_0, fsdp, 1), gather_weights(wi_1, fsdp, 1), gather_weights(wo, fsdp, 2)
+      reduce = cfg.weight_grad_reduce_dtype
+      wi_0, wi_1 = gather_weights(wi_0, fsdp, 1, reduce), gather_weights(wi_1, fsdp, 1, reduce)
+      wo = gather_weights(wo, fsdp, 2, reduce)
     plan = EpPlan(axis, ranks, cfg.num_experts, k, b * s, cfg.moe_dedup, cfg.moe_ep_buffer_factor)
     with jax.named_scope("ep_dispatch"):
       got = backend.dispatch(x.reshape(b * s, d), ids.reshape(b * s, k), w.reshape(b * s, k), plan)
