@@ -143,11 +143,11 @@ def host_bytes(tree, shardings) -> int:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather_weights(w: jax.Array, axes: tuple[str, ...], dim: int, reduce_dtype: str = "float32") -> jax.Array:
+def gather_weights(w: jax.Array, axes: tuple[str, ...], dim: int, reduce_dtype: str) -> jax.Array:
   """Inside shard_map: a weight split over mesh `axes` along `dim`, all-gathered (tiled) in its own dtype, as
   FSDP does before a GEMM. Its gradient is reduce-scattered back in `reduce_dtype` (weight_grad_reduce_dtype),
-  then cast to w's dtype: float32 keeps the sum over the ranks' tokens at float32 precision; bfloat16 moves
-  half the bytes and rounds at every hop.
+  then cast to w's dtype: bfloat16 (the default) rounds at every hop, as the all-reduce of the bf16 gradient it
+  replaces did; float32 keeps the sum over the ranks' tokens at float32 precision for twice the bytes.
   Gathered at a shard_map's boundary instead, the weight would enter replicated over `axes`, and its gradient
   would leave as an all-reduce of the whole weight followed by a slice: twice the bytes."""
   return jax.lax.all_gather(w, axes, axis=dim, tiled=True)

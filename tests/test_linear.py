@@ -103,15 +103,15 @@ def test_under_a_mesh_rows_split_like_the_batch():
 @pytest.mark.parametrize("spec,axes", [("bsd,df->bsf", ("embed", "mlp")), ("bsf,fd->bsd", ("mlp", "embed"))])
 def test_under_a_mesh_the_weights_fsdp_dim_is_gathered_inside_and_its_gradient_reduce_scattered(spec, axes):
   """Told its weight's axes, the quantised GEMM keeps the weight split over fsdp into the shard_map (K's or N's
-  leading dim) and gathers it inside: the gradient leaves as one float32 reduce-scatter over fsdp, and every
-  value equals the whole-weight path's to float32 rounding."""
+  leading dim) and gathers it inside: the gradient leaves as one reduce-scatter over fsdp (float32 here:
+  every value equals the whole-weight path's to float32 rounding; bfloat16 by default)."""
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 2, 4, 1), ("data", "fsdp", "expert", "tensor"))
   sizes = {"b": 8, "s": 32, "d": 256, "f": 384}
   lhs, rhs = spec.split("->")[0].split(",")
   x = jax.random.normal(jax.random.key(0), [sizes[c] for c in lhs])
   w = jax.random.normal(jax.random.key(1), [sizes[c] for c in rhs]) / 16
   dy = jax.random.normal(jax.random.key(2), [sizes[c] for c in spec.split("->")[1]])
-  dense = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"))
+  dense = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"), "float32")
 
   def run(weight_axes):
     y, vjp = jax.vjp(lambda x, w: dense(spec, x, w, "dense_mlp", weight_axes), x, w)
@@ -123,7 +123,7 @@ def test_under_a_mesh_the_weights_fsdp_dim_is_gathered_inside_and_its_gradient_r
   jaxpr = jax.make_jaxpr(lambda: run(axes))()
   scattered = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "reduce_scatter"]
   assert [(e.invars[0].aval.dtype, e.params["axis_name"]) for e in scattered] == [(jnp.float32, ("fsdp",))]
-  halved = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"), "bfloat16")
+  halved = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"))  # the default: bfloat16
   bf16 = jax.make_jaxpr(lambda: jax.vjp(lambda w: halved(spec, x, w, "dense_mlp", axes), w)[1](dy))()
   assert [e.invars[0].aval.dtype for e in _equations(bf16.jaxpr) if e.primitive.name == "reduce_scatter"] == [
     jnp.bfloat16
