@@ -23,3 +23,18 @@ def test_proxy_step_within_10_percent_of_the_h200(recipe, batch, measured_s, mom
   c = predict.compute_time(cfg, compile_only.GPUS["h200"], batch * 4096, 16, state)
   assert abs(c.total / measured_s - 1) < 0.10, (c.total, c.seconds)
   assert set(c.seconds) == {"attention", "expert_gemms", "dense_gemms", "heads", "other", "optimizer"}
+
+
+def test_moe_dispatch_and_combine_are_the_exchanges_not_the_expert_weights():
+  """Per MoE layer: the all-to-alls and the allgather dispatch's gathers (ep_dispatch / ep_combine scopes),
+  forward and backward apart; the experts' weight gathers inside the same shard_map are not counted."""
+  body = "jit(step)/jvp()/while/body/eval_jaxpr/moe/shard_map"
+  comm = [
+    {"kind": "ragged-all-to-all", "op_name": f"{body}/ep_dispatch/ragged_all_to_all", "seconds": 0.004},
+    {"kind": "ragged-all-to-all", "op_name": f"jit(step)/transpose(jvp())/{body[16:]}/ep_combine/x", "seconds": 0.006},
+    {"kind": "all-gather", "op_name": f"{body}/ep_dispatch/ep_units/all_gather", "seconds": 0.002},
+    {"kind": "all-gather", "op_name": f"{body}/all_gather", "seconds": 1.0},  # the experts' weights
+    {"kind": "reduce-scatter", "op_name": f"jit(step)/transpose(jvp())/{body[16:]}/reduce_scatter", "seconds": 1.0},
+  ]
+  got = predict.moe_latency(comm, moe_layers=2)
+  assert got == pytest.approx({"forward_s": 0.003, "backward_s": 0.003, "per_layer_s": 0.006})

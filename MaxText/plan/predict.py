@@ -173,12 +173,13 @@ def step(compute: Compute, comm: list[dict], host_copy_bytes: float = 0.0, overl
 
 def moe_latency(comm: list[dict], moe_layers: int) -> dict:
   """Dispatch + combine per MoE layer: the expert-parallel all-to-alls (and the allgather dispatch's
-  all-gathers inside the MoE shard_map), forward and backward, per layer and step."""
+  all-gathers, in the ep_dispatch / ep_combine scopes), forward and backward, per layer and step. The
+  experts' weight gathers and gradient reduce-scatters inside the same shard_map are neither."""
   fwd = bwd = 0.0
   for c in comm:
     is_moe = c["kind"] in A2A_KINDS or (
-      c["kind"] == "all-gather" and "moe" in c["op_name"] and "shard_map" in c["op_name"] and "gmm" not in c["op_name"]
-    )  # the weight gradients' reductions inside the MoE shard_map are not dispatch or combine
+      c["kind"] == "all-gather" and ("ep_dispatch" in c["op_name"] or "ep_combine" in c["op_name"])
+    )
     if not is_moe:
       continue
     if "transpose(" in c["op_name"]:
