@@ -173,7 +173,7 @@ class MoEConfig:
   quantize_before_permute: bool
   quantize_with_activation: bool
   quantize_layers: str  # the layer groups `quantization` applies to (MaxText/layers/linear.py)
-  weight_grad_reduce_dtype: str = choice("float32", "bfloat16")  # sharding.gather_weights
+  weight_grad_reduce_dtype: str = choice("compute", "float32")  # sharding.gather_weights
   moe_group_pad_multiple: int = at_least(0)
 
 

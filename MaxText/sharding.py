@@ -146,8 +146,9 @@ def host_bytes(tree, shardings) -> int:
 def gather_weights(w: jax.Array, axes: tuple[str, ...], dim: int, reduce_dtype: str) -> jax.Array:
   """Inside shard_map: a weight split over mesh `axes` along `dim`, all-gathered (tiled) in its own dtype, as
   FSDP does before a GEMM. Its gradient is reduce-scattered back in `reduce_dtype` (weight_grad_reduce_dtype),
-  then cast to w's dtype: bfloat16 (the default) rounds at every hop, as the all-reduce of the bf16 gradient it
-  replaces did; float32 keeps the sum over the ranks' tokens at float32 precision for twice the bytes.
+  then cast to w's dtype: "compute" (the default) reduces in w's own dtype, the compute dtype, as the
+  all-reduce it replaces did (bf16 models round at every hop); "float32" keeps the sum over the ranks'
+  tokens at float32 precision, for twice the bytes in a bf16 model.
   Gathered at a shard_map's boundary instead, the weight would enter replicated over `axes`, and its gradient
   would leave as an all-reduce of the whole weight followed by a slice: twice the bytes."""
   return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
@@ -158,7 +159,8 @@ def _gather_fwd(w, axes, dim, reduce_dtype):
 
 
 def _gather_bwd(axes, dim, reduce_dtype, _, g):  # g has the gathered weights' dtype, which is w's
-  summed = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
+  dtype = g.dtype if reduce_dtype == "compute" else reduce_dtype
+  summed = jax.lax.psum_scatter(g.astype(dtype), axes, scatter_dimension=dim, tiled=True)
   return (summed.astype(g.dtype),)
 
 

@@ -291,8 +291,8 @@ def test_dispatch_benchmark_cpu_dry_run(tmp_path):
   assert "nvidia-smi topo -m" in (tmp_path / "moe_dispatch.md").read_text()
 
 
-@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
-def test_expert_weight_gradients_leave_as_reduce_scatters(tiny_config, reduce_dtype):
+@pytest.mark.parametrize("reduce_dtype,dtype", [("compute", jnp.bfloat16), ("float32", jnp.float32)])
+def test_expert_weight_gradients_leave_as_reduce_scatters(tiny_config, reduce_dtype, dtype):
   """Inside the shard_map each device gathers its experts' weights over fsdp; their gradient goes back as one
   reduce-scatter per weight in weight_grad_reduce_dtype (half the bytes of the all-reduce a boundary
   gather's gradient needs)."""
@@ -312,7 +312,7 @@ def test_expert_weight_gradients_leave_as_reduce_scatters(tiny_config, reduce_dt
   found = list(eqns(jaxpr.jaxpr))
   local = {k: (E // EP, *v.shape[1:]) for k, v in experts.items()}  # [local experts, embed or mlp, ...] gathered
   scattered = [e for e in found if e.primitive.name == "reduce_scatter"]
-  shapes = sorted(tuple(e.invars[0].aval.shape) for e in scattered if e.invars[0].aval.dtype == jnp.dtype(reduce_dtype))
+  shapes = sorted(tuple(e.invars[0].aval.shape) for e in scattered if e.invars[0].aval.dtype == dtype)
   assert shapes == sorted(local.values()), [(e.invars[0].aval, e.params.get("axis_name")) for e in scattered]
   assert all(e.params["axis_name"] == ("fsdp",) for e in scattered)
   weights_summed = [e for e in found if e.primitive.name == "psum" and any(

@@ -123,8 +123,9 @@ def test_under_a_mesh_the_weights_fsdp_dim_is_gathered_inside_and_its_gradient_r
   jaxpr = jax.make_jaxpr(lambda: run(axes))()
   scattered = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "reduce_scatter"]
   assert [(e.invars[0].aval.dtype, e.params["axis_name"]) for e in scattered] == [(jnp.float32, ("fsdp",))]
-  halved = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"))  # the default: bfloat16
-  bf16 = jax.make_jaxpr(lambda: jax.vjp(lambda w: halved(spec, x, w, "dense_mlp", axes), w)[1](dy))()
+  in_compute = linear.Dense(FP8, ("dense_mlp",), mesh, ("data", "fsdp", "expert"))  # the default: w's own dtype
+  w16 = w.astype(jnp.bfloat16)
+  bf16 = jax.make_jaxpr(lambda: jax.vjp(lambda w: in_compute(spec, x, w, "dense_mlp", axes), w16)[1](dy))()
   assert [e.invars[0].aval.dtype for e in _equations(bf16.jaxpr) if e.primitive.name == "reduce_scatter"] == [
     jnp.bfloat16
   ]

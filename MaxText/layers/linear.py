@@ -54,10 +54,10 @@ class Dense:
   """
 
   def __init__(
-    self, gemm=None, groups: tuple[str, ...] = (), mesh=None, row_axes: tuple[str, ...] = (), reduce_dtype="bfloat16"
+    self, gemm=None, groups: tuple[str, ...] = (), mesh=None, row_axes: tuple[str, ...] = (), reduce_dtype="compute"
   ):
     self.gemm, self.groups, self.mesh, self.row_axes = gemm, frozenset(groups), mesh, row_axes
-    self.reduce_dtype = reduce_dtype  # weight_grad_reduce_dtype (base.yml: bfloat16)
+    self.reduce_dtype = reduce_dtype  # weight_grad_reduce_dtype
 
   def quantises(self, group: str) -> bool:
     return self.gemm is not None and group in self.groups
