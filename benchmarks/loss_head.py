@@ -55,7 +55,6 @@ def reference(h, head, targets, mask):
   """Loss and gradients in float32 with float32 GEMMs at full precision (no TF32), from the bf16 inputs as given."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   def loss(h, head):
     logits = jnp.einsum("td,dv->tv", h, head, precision=jax.lax.Precision.HIGHEST)
