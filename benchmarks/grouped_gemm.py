@@ -23,10 +23,11 @@ BLOCK_NxSTAGESxGRID_N for the forward and dgrad kernels, optionally followed by 
 weight-gradient kernel (block_m is 128 throughout); rows "fp8_blockwise:mosaic[TILES]".
 
 --tune first searches tile parameters of the bf16 Mosaic kernels (MaxText/kernels/mosaic_gmm.py) for
-each kernel and width pair at --tune-groups balanced groups, merges them into a copy of the current
-table (MaxText/kernels/mosaic_tiles.json) as that group-count regime ("fwd:7168x4096:g32"), writes
-mosaic_tiles.json into DIR (copy it to MaxText/kernels/ to make it the tuned table) and benchmarks
-with it (--tune-only: stop after tuning).
+each kernel and width pair at --tune-groups balanced groups, merges them into a copy of this GPU's
+table (MaxText/kernels/mosaic_tiles_<gpu>.json, e.g. _h100; a new one if it has none) as that group-count
+regime ("fwd:7168x4096:g32"), writes it into DIR (copy it to MaxText/kernels/ to make it this GPU's tuned
+table) and benchmarks with it (--tune-only: stop after tuning). Without --tune the benchmark runs with the
+table MaxText/kernels/mosaic_tiles.py chooses for this GPU, recorded as "tile_table" in the results.
 """
 
 import argparse
@@ -362,9 +363,9 @@ def tune(out_dir: Path, iters: int, groups: int) -> dict:
   """Searches tiles of the bf16 Mosaic kernels (kernels/mosaic_gmm.py) for each kernel and width pair at
   `groups` balanced groups.
 
-  Results merge into a copy of the current table under "<kernel>:<K>x<N>:g<groups>" keys (used by
-  mosaic_tiles.tiles_for for that group-count regime), written to out_dir/mosaic_tiles.json, which the
-  benchmark then runs with.
+  Results merge into a copy of this GPU's table (MaxText/kernels/mosaic_tiles_<gpu>.json; a new one if it
+  has none) under "<kernel>:<K>x<N>:g<groups>" keys (used by mosaic_tiles.tiles_for for that group-count
+  regime), written to out_dir/mosaic_tiles_<gpu>.json, which the benchmark then runs with.
   """
   import jax
   import jax.numpy as jnp
@@ -378,7 +379,9 @@ def tune(out_dir: Path, iters: int, groups: int) -> dict:
   wgrad_space = [
     (bm, bn, 64, st, gb) for (bm, bn), st, gb in itertools.product(((128, 128), (64, 256)), (2, 3), (1, 4, 8))
   ]
-  file = mosaic_tiles.TILES_FILE
+  kind = jax.devices()[0].device_kind
+  name = mosaic_tiles.table_name(kind) or kind.lower().replace("nvidia", "").strip().replace(" ", "_")
+  file = mosaic_tiles.table_path(name)  # this GPU's own table, never another GPU's
   table = json.loads(file.read_text()) if file.exists() else {"tiles": {}}
   measured = table.setdefault("tflops_by_tiles", {})
   for (k, n), kernel in itertools.product(SHAPES.values(), mosaic_tiles.KERNELS):
@@ -413,10 +416,9 @@ def tune(out_dir: Path, iters: int, groups: int) -> dict:
       print(f"tuned {key}: {table['tiles'][key]} at {valid[top]:.0f} TFLOP/s", flush=True)
     measured[key] = results
   table.update({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": M})
-  path = out_dir / "mosaic_tiles.json"
+  path = out_dir / file.name
   path.write_text(json.dumps(table, indent=1))
-  mosaic_tiles.TILES_FILE = path  # the benchmark below runs with the tuned table
-  mosaic_tiles.tuned_tiles.cache_clear()
+  mosaic_tiles.use_table(path)  # the benchmark below runs with the tuned table
   return table
 
 
@@ -470,6 +472,8 @@ def markdown(results: dict) -> str:
     f"# Grouped GEMM, M={M} rows, bf16 ({m['gpu']}; jax {m['jax']}, torch {m.get('torch')}, {m['date']})",
     "",
     "TFLOP/s of useful work (padding counts as lost time). Ratios: each row on our Mosaic kernels over the named row.",
+    "",
+    f"Tiles: {m.get('tile_table', 'not recorded')}.",
     "",
     "| shape | G | sizes | mode | " + " | ".join(results["backends"] + ratio_names) + " |",
     "|---" * (4 + len(results["backends"]) + len(ratio_names)) + "|",
@@ -586,6 +590,10 @@ def main() -> int:
     results["tuning"] = tune(args.out, 5, args.tune_groups)["tiles"]
     if args.tune_only:
       return 0
+  from MaxText.kernels import mosaic_tiles
+
+  results["machine"]["tile_table"] = mosaic_tiles.table_note()
+  print(results["machine"]["tile_table"], flush=True)
   results["cases"] = []
   for (shape, (k, n)), (g, kind) in itertools.product(SHAPES.items(), cases):
     rows = jax_rows(k, n, g, kind, args.iters, quant, tiles) + torch_rows(k, n, g, kind, args.iters)

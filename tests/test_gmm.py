@@ -1,6 +1,7 @@
 """Grouped GEMM backends on CPU: the VJP rule against jax.grad of ragged_dot, padded, registry, auto, tiles."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -197,18 +198,25 @@ def test_mosaic_tiles_and_padding():
   from MaxText.kernels import mosaic_tiles as mt
 
   assert mt.tiles_for("fwd", 123456, 7) == dict(zip(mt.TILE_NAMES, mt.DEFAULT_TILES["fwd"]))
-  for key, tiles in mt.tuned_tiles().items():
-    kernel, widths, *regime = key.split(":")
-    k, n = map(int, widths.split("x"))
-    assert kernel in mt.KERNELS and len(tiles) == 5
-    assert k % mt.PAD == 0 and n % mt.PAD == 0
-    if regime:  # a group-count regime ("g32") is what that many groups, or nearby counts, get
-      groups = int(regime[0].removeprefix("g"))
-      assert (
-        mt.tiles_for(kernel, k, n, groups) == mt.tiles_for(kernel, k, n, groups + 1) == dict(zip(mt.TILE_NAMES, tiles))
-      )
-    else:
-      assert mt.tiles_for(kernel, k, n) == dict(zip(mt.TILE_NAMES, tiles))
+  tables = sorted(mt.TABLES_DIR.glob("mosaic_tiles_*.json"))
+  assert mt.table_path("h200") in tables
+  for path in tables:  # every shipped table: well-formed, and each entry is what its shapes get
+    assert mt.table_name(json.loads(path.read_text())["device"]) == path.stem.removeprefix("mosaic_tiles_")
+    mt.use_table(path)
+    try:
+      for key, tiles in mt.tuned_tiles().items():
+        kernel, widths, *regime = key.split(":")
+        k, n = map(int, widths.split("x"))
+        assert kernel in mt.KERNELS and len(tiles) == 5
+        assert k % mt.PAD == 0 and n % mt.PAD == 0
+        if regime:  # a group-count regime ("g32") is what that many groups, or nearby counts, get
+          groups = int(regime[0].removeprefix("g"))
+          expect = dict(zip(mt.TILE_NAMES, tiles))
+          assert mt.tiles_for(kernel, k, n, groups) == mt.tiles_for(kernel, k, n, groups + 1) == expect
+        else:
+          assert mt.tiles_for(kernel, k, n) == dict(zip(mt.TILE_NAMES, tiles))
+    finally:
+      mt.use_table(None)
   # a padded width that does not hold two halves of the split dimension gets 64-wide halves
   assert mt.tiles("fwd", 7168, 384, 8)["block_n"] == 64 and mt.tiles("wgrad", 384, 7168, 8)["block_m"] == 64
 
@@ -313,3 +321,53 @@ def test_mosaic_kernels_in_the_gpu_interpreter(kernel):
   got = f32(got)
   assert np.isfinite(got).all()
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # bf16 output rounding
+
+
+@pytest.fixture
+def tile_tables(tmp_path, monkeypatch):
+  """mosaic_tiles looking for its tables in an empty folder (caches cleared before and after)."""
+  from MaxText.kernels import mosaic_tiles as mt
+
+  monkeypatch.setattr(mt, "TABLES_DIR", tmp_path)
+  mt.choose_table.cache_clear()
+  mt.tuned_tiles.cache_clear()
+  yield mt
+  mt.choose_table.cache_clear()
+  mt.tuned_tiles.cache_clear()
+
+
+def test_mosaic_tile_table_chosen_by_device_kind(tile_tables):
+  from types import SimpleNamespace
+
+  mt = tile_tables
+
+  def write(name, device, fwd):
+    mt.table_path(name).write_text(json.dumps({"device": device, "tiles": {"fwd:256x256:g8": fwd}}))
+    mt.choose_table.cache_clear()
+    mt.tuned_tiles.cache_clear()
+
+  h100, h200, b200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA B200"
+  assert mt.table_note(h100) == f"no Mosaic tile table for {h100}: default tiles"
+  assert mt.tiles_for("fwd", 256, 256, 8, h100) == dict(zip(mt.TILE_NAMES, mt.DEFAULT_TILES["fwd"]))
+
+  write("h200", h200, [128, 128, 64, 3, 8])
+  for kind in (h200, "NVIDIA GH200 480GB"):  # the H200's table, as its own
+    assert mt.tiles_for("fwd", 256, 256, 8, kind)["grid_block_n"] == 8
+    assert mt.table_note(kind) == f"Mosaic tile table mosaic_tiles_h200.json (tuned on this GPU's chip, {kind})"
+  # an H100 without its own table takes the nearest and says so
+  assert mt.tiles_for("fwd", 256, 256, 8, h100)["grid_block_n"] == 8
+  assert mt.table_note(h100) == (
+    f"no Mosaic tile table for {h100}: using the nearest, mosaic_tiles_h200.json (tuned on NVIDIA H200)"
+  )
+
+  write("h100", h100, [128, 128, 64, 2, 4])
+  for kind in (h100, "NVIDIA H100 PCIe", "NVIDIA H800"):  # one chip, one table
+    assert mt.tiles_for("fwd", 256, 256, 8, kind)["max_concurrent_steps"] == 2
+    assert mt.table_note(kind).startswith("Mosaic tile table mosaic_tiles_h100.json")
+  assert mt.tiles_for("fwd", 256, 256, 8, h200)["max_concurrent_steps"] == 3
+  assert "using the nearest, mosaic_tiles_h200.json" in mt.table_note(b200)
+
+  # the start-up log line of the bf16 Mosaic GEMMs names the table; the fp8 kernels take no tiles from it
+  gpu = SimpleNamespace(device_kind=h100, platform="gpu")
+  assert gmm.describe("mosaic", device=gpu).endswith(mt.table_note(h100))
+  assert "tile table" not in gmm.describe("fp8_blockwise:mosaic", device=gpu)

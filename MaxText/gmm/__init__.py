@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from MaxText.gmm.base import ExpertGemm
-from MaxText.kernels import gpu
+from MaxText.kernels import gpu, mosaic_tiles
 
 MOSAIC_MODULE = "jax.experimental.pallas.mosaic_gpu"
 # Why `auto` prefers mosaic on sm_90: measured on one H200, fwd+bwd at DeepSeek-V3 expert shapes, mosaic
@@ -251,6 +251,8 @@ def describe(name: str, options: Options = Options(), device=None) -> str:
     "quantized_rows": "tokens quantised once before the permute, fp8 rows moved (quantize_before_permute)",
   }
   line = f"expert GEMM {name}: {entry.about}"
+  if entry.backend == "mosaic" and entry.module != "MaxText.gmm.fp8_blockwise" and device is not None:
+    line += "; " + mosaic_tiles.table_note(getattr(device, "device_kind", str(device)))
   if entry.module == "MaxText.gmm.fp8_blockwise":
     on = [fused["swiglu_down"]] * options.fuse_activation + [fused["quantized_rows"]] * options.quantize_before_permute
     return line + ("; fused: " + "; ".join(on) if on else "; no fusions")
