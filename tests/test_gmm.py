@@ -329,11 +329,9 @@ def tile_tables(tmp_path, monkeypatch):
   from MaxText.kernels import mosaic_tiles as mt
 
   monkeypatch.setattr(mt, "TABLES_DIR", tmp_path)
-  mt.choose_table.cache_clear()
-  mt.tuned_tiles.cache_clear()
+  mt.reload()
   yield mt
-  mt.choose_table.cache_clear()
-  mt.tuned_tiles.cache_clear()
+  mt.reload()
 
 
 def test_mosaic_tile_table_chosen_by_device_kind(tile_tables):
@@ -343,8 +341,7 @@ def test_mosaic_tile_table_chosen_by_device_kind(tile_tables):
 
   def write(name, device, fwd):
     mt.table_path(name).write_text(json.dumps({"device": device, "tiles": {"fwd:256x256:g8": fwd}}))
-    mt.choose_table.cache_clear()
-    mt.tuned_tiles.cache_clear()
+    mt.reload()
 
   h100, h200, b200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA B200"
   assert mt.table_note(h100) == f"no Mosaic tile table for {h100}: default tiles"

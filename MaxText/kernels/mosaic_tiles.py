@@ -40,10 +40,14 @@ def table_path(name: str) -> Path:
 
 
 def current_device_kind() -> str:
-  """The device kind of the first local device (the GPU the kernels run on; "cpu" for interpretation)."""
+  """The kind of the GPU the kernels are lowered for: JAX's default device where one is set (the planner's
+  compile-only GPUs, MaxText/compile_only.lowering_for), else the first local device ("cpu" when interpreted)."""
   import jax
 
-  return jax.devices()[0].device_kind
+  device = jax.config.jax_default_device or jax.devices()[0]
+  if isinstance(device, str):  # a platform name
+    device = jax.devices(device)[0]
+  return device.device_kind
 
 
 @functools.cache
@@ -65,14 +69,23 @@ _override: list[Path] = []  # a table file that replaces the device's own (bench
 def use_table(path: Path | None) -> None:
   """Makes the kernels use the table in `path` (None: back to the device's own); traced functions keep theirs."""
   _override[:] = [Path(path)] if path else []
-  tuned_tiles.cache_clear()
 
 
 @functools.cache
+def _entries(path: Path) -> dict:
+  return json.loads(path.read_text())["tiles"]
+
+
+def reload() -> None:
+  """Forgets the tables read so far (after a table file was written)."""
+  choose_table.cache_clear()
+  _entries.cache_clear()
+
+
 def tuned_tiles(device_kind: str | None = None) -> dict:
-  """The tuned entries for `device_kind` (default: the current device's)."""
+  """The tuned entries for `device_kind` (default: the kind current_device_kind gives)."""
   path = _override[0] if _override else choose_table(device_kind or current_device_kind())[0]
-  return json.loads(path.read_text())["tiles"] if path else {}
+  return _entries(path) if path else {}
 
 
 def table_note(device_kind: str | None = None) -> str:
