@@ -423,10 +423,16 @@ def check_moe_backends(devices: list) -> list[Check]:
   def line(ok, bad):
     return f"usable: {', '.join(ok) or 'none'}" + (f"; not here: {'; '.join(bad)}" if bad else "")
 
-  return [
+  checks = [
     Check("moe_dispatch", OK if dispatch_ok else UNUSABLE, line(dispatch_ok, dispatch_not)),
     Check("expert GEMM", OK if gmm_ok else UNUSABLE, line(gmm_ok, gmm_not)),
   ]
+  if "mosaic" in gmm_ok:  # which tuned tiles the Mosaic kernels take on these GPUs
+    from MaxText.kernels import mosaic_tiles
+
+    kinds = sorted({d.device_kind for d in devices if is_gpu(d)})
+    checks.append(Check("mosaic tiles", OK, "; ".join(mosaic_tiles.table_note(k) for k in kinds)))
+  return checks
 
 
 def check_quantization(devices: list) -> Check:

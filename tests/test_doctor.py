@@ -97,6 +97,24 @@ def test_quantization_line_says_what_runs_on_these_gpus(monkeypatch):
   assert "-> emulated" in doctor.check_quantization(jax.devices()).detail
 
 
+def test_mosaic_tile_table_named_for_hopper_gpus(monkeypatch):
+  from MaxText import gmm
+
+  class Gpu:
+    platform = "gpu"
+    compute_capability = "9.0"
+
+    def __init__(self, kind):
+      self.device_kind = kind
+
+  monkeypatch.setattr(gmm, "unavailable", lambda name: None)  # as with a jax that has Pallas Mosaic GPU
+  (tiles,) = [c for c in doctor.check_moe_backends([Gpu("NVIDIA H100 80GB HBM3")] * 8) if c.name == "mosaic tiles"]
+  assert tiles.detail.startswith("Mosaic tile table mosaic_tiles_h100.json")
+  (tiles,) = [c for c in doctor.check_moe_backends([Gpu("NVIDIA GH200 480GB")]) if c.name == "mosaic tiles"]
+  assert tiles.detail.startswith("Mosaic tile table mosaic_tiles_h200.json")
+  assert not [c for c in doctor.check_moe_backends(jax.devices()) if c.name == "mosaic tiles"]  # CPU: no Mosaic
+
+
 def test_version_tuple_compares_like_jaxlib():
   assert doctor.version_tuple("0.12.0.1") == (0, 12, 0, 1)
   assert doctor.version_tuple("0.11.2.dev20260101") == (0, 11, 2)
