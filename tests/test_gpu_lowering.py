@@ -54,7 +54,23 @@ def test_mosaic_grouped_gemm_lowers_for_h200():
   # One Mosaic GPU kernel for the forward (kernels/mosaic_gmm.py's ragged_dot); the backward adds the dgrad
   # (ragged_dot with transpose_rhs) and the wgrad (ragged_wgrad): three in all.
   result = lower("mosaic_gmm")
-  assert result == {"device_kind": "NVIDIA H200", "fwd_mosaic_kernels": 1, "fwd_bwd_mosaic_kernels": 3}
+  assert result == {
+    "device_kind": "NVIDIA H200",
+    "tile_table": "mosaic_tiles_h200.json",
+    "fwd_mosaic_kernels": 1,
+    "fwd_bwd_mosaic_kernels": 3,
+  }
+
+
+def test_mosaic_grouped_gemm_lowers_for_h100_with_its_own_tiles():
+  # The tiles follow the GPU the kernels are lowered for (the planner's compile-only H100), not this CPU.
+  result = lower("mosaic_gmm", "h100")
+  assert result == {
+    "device_kind": "NVIDIA H100 80GB HBM3",
+    "tile_table": "mosaic_tiles_h100.json",
+    "fwd_mosaic_kernels": 1,
+    "fwd_bwd_mosaic_kernels": 3,
+  }
 
 
 def test_permute_row_gather_reads_a_materialised_index_on_h200():

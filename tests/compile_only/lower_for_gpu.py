@@ -1,8 +1,8 @@
-"""Compiles for compile-only H200s and prints JSON; run by tests/test_gpu_lowering.py in a subprocess
-whose PYTHONPATH holds the CUDA plugin (kept out of the main environment so CPU runs stay quiet).
+"""Compiles for compile-only H200s (H100s where asked) and prints JSON; run by tests/test_gpu_lowering.py in a
+subprocess whose PYTHONPATH holds the CUDA plugin (kept out of the main environment so CPU runs stay quiet).
 
   python tests/compile_only/lower_for_gpu.py train_step RECIPE [key=value ...]
-  python tests/compile_only/lower_for_gpu.py mosaic_gmm
+  python tests/compile_only/lower_for_gpu.py mosaic_gmm [h200 | h100]   # and the tile table it lowered with
   python tests/compile_only/lower_for_gpu.py memory RECIPE [key=value ...]   # one H200: host offload
   python tests/compile_only/lower_for_gpu.py ep_layer RECIPE [key=value ...]   # MoE layer fwd+bwd, EP over 8 H200s
   python tests/compile_only/lower_for_gpu.py permute_gather   # what the permute's row gather computes per element
@@ -80,12 +80,14 @@ def memory(recipe: str, overrides: list[str]) -> dict:
   }
 
 
-def mosaic_gmm() -> dict:
-  """The `mosaic` expert GEMM (kernels/mosaic_gmm.py) on one H200: the Mosaic GPU custom calls its forward
-  and its forward + backward compile to, at DeepSeek-V3's gate/up shape."""
+def mosaic_gmm(gpu: str = "h200") -> dict:
+  """The `mosaic` expert GEMM (kernels/mosaic_gmm.py) on one `gpu`: the Mosaic GPU custom calls its forward
+  and its forward + backward compile to, at DeepSeek-V3's gate/up shape, and the tile table the kernels
+  were lowered with (the compile-only GPU's, not this CPU's)."""
   from MaxText import gmm
+  from MaxText.kernels import mosaic_tiles
 
-  devices = compile_only.devices("h200", 1)
+  devices = compile_only.devices(gpu, 1)
   s = NamedSharding(Mesh(devices, ("x",)), PartitionSpec())
   args = (
     jax.ShapeDtypeStruct((4096, 7168), jnp.bfloat16),
@@ -102,8 +104,11 @@ def mosaic_gmm() -> dict:
       text = jax.jit(f, in_shardings=(s, s, s)).lower(*args).compile().as_text()
     return sum(1 for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line)
 
+  with compile_only.lowering_for(devices):
+    table = mosaic_tiles.choose_table(mosaic_tiles.current_device_kind())[0]
   return {
     "device_kind": devices[0].device_kind,
+    "tile_table": table.name if table else None,
     "fwd_mosaic_kernels": mosaic_calls(gemm),
     "fwd_bwd_mosaic_kernels": mosaic_calls(loss_grads),
   }
@@ -181,5 +186,5 @@ if __name__ == "__main__":
   elif what == "permute_gather":
     result = permute_gather()
   else:
-    result = mosaic_gmm()
+    result = mosaic_gmm(*sys.argv[2:3])
   print("RESULT " + json.dumps(result))
