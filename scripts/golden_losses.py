@@ -1,14 +1,21 @@
 """Golden losses: the tiny recipe's loss and grad norm per step, pinned bit for bit across commits.
 
   python scripts/golden_losses.py CASE            print this commit's values for CASE as JSON
-  python scripts/golden_losses.py CASE --write    (re)write tests/assets/losses/CASE.json
+  python scripts/golden_losses.py CASE --write    write this CPU's golden file for CASE and remove the
+                                                  other CPUs' (after a deliberate numerical change)
+  python scripts/golden_losses.py CASE --add      add this CPU's golden file beside the others (a new
+                                                  kind of machine, no numerical change)
 
 A refactor must leave these files unchanged (tests/test_golden_losses.py compares them bit for bit); a
 deliberate numerical change rewrites them in a commit of its own that says why.
 
 Each case runs in its own process with XLA_FLAGS set here, not inherited: the device count is part of
 the case, and XLA:CPU's code generation is capped at AVX2 (--xla_cpu_max_isa) so that machines with
-and without AVX-512 compile the same kernels and round the same way.
+and without AVX-512 compile the same kernels. That is not enough for the same bits everywhere: XLA:CPU's
+YNNPACK fusions pick their kernels by the CPU at run time, and an AMD EPYC machine rounded the last bits
+of up to 10 of 30 steps differently (2.3e-7 relative at most) from the machine that wrote the first files. So
+a golden file records the CPU it was written on (`cpu`, `tests/assets/losses/CASE@CPU.json`), and the
+test compares bit for bit on that CPU and within a tolerance on others.
 """
 
 import argparse
@@ -43,6 +50,35 @@ CASES = {
 XLA_FLAGS = "--xla_force_host_platform_device_count={devices} --xla_cpu_max_isa=AVX2"
 
 
+def cpu() -> str:
+  """This machine's CPU as far as rounding goes: vendor, family/model, and whether it has AVX-512."""
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    import platform
+
+    return platform.machine()
+  fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  isa = "avx512" if "avx512f" in fields.get("flags", "").split() else "avx2"
+  return (
+    f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')} "
+    f"({fields.get('model name', '?')}), {isa}"
+  )
+
+
+def file_for(case: str, cpu_name: str) -> Path:
+  slug = "".join(c if c.isalnum() else "-" for c in cpu_name.lower()).strip("-")
+  while "--" in slug:
+    slug = slug.replace("--", "-")
+  return ASSETS / f"{case}@{slug}.json"
+
+
+def golden_files(case: str) -> list[Path]:
+  """Every CPU's golden file for `case` (CASE.json: the first files, from a machine not recorded)."""
+  return sorted(ASSETS.glob(f"{case}.json")) + sorted(ASSETS.glob(f"{case}@*.json"))
+
+
 def run(case: str) -> dict:
   """The case's per-step values; call in a fresh process whose XLA_FLAGS came from `environment`."""
   import jax
@@ -61,6 +97,7 @@ def run(case: str) -> dict:
     "overrides": [*COMMON, *overrides],
     "xla_flags": XLA_FLAGS.format(devices=devices),
     "jax": jax.__version__,
+    "cpu": cpu(),
     # float.hex: exact; the decimal copy is for reading diffs.
     "loss": [float(h["loss"]).hex() for h in history],
     "grad_norm": [float(h["grad_norm"]).hex() for h in history],
@@ -77,7 +114,9 @@ def environment(case: str) -> dict:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("case", choices=sorted(CASES))
-  parser.add_argument("--write", action="store_true", help=f"write {ASSETS.relative_to(REPO)}/CASE.json")
+  what = parser.add_mutually_exclusive_group()
+  what.add_argument("--write", action="store_true", help="write this CPU's file, remove the other CPUs'")
+  what.add_argument("--add", action="store_true", help="add this CPU's file beside the other CPUs'")
   parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # the child of main()
   args = parser.parse_args()
   if not args.in_process:
@@ -90,9 +129,13 @@ def main() -> int:
       return done.returncode
     values = json.loads(done.stdout.strip().splitlines()[-1])
     text = json.dumps(values, indent=1) + "\n"
-    if args.write:
-      (ASSETS / f"{args.case}.json").write_text(text)
-      print(f"wrote {ASSETS / args.case}.json")
+    if args.write or args.add:
+      path = file_for(args.case, values["cpu"])
+      stale = [f for f in golden_files(args.case) if f != path] if args.write else []
+      path.write_text(text)
+      for f in stale:
+        f.unlink()
+      print(f"wrote {path.relative_to(REPO)}" + "".join(f"; removed {f.name}" for f in stale))
     else:
       print(text, end="")
     return 0
