@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -47,6 +48,22 @@ def make_run_dir(run_dir: Path, resumable: bool) -> Path:
   return run_dir
 
 
+# XLA's autotuner runs each candidate kernel config while compiling; when none can allocate its buffers the
+# compile fails with NOT_FOUND ("Failed to get configs ... All configs failed during profiling") and the
+# allocator's RESOURCE_EXHAUSTED lines inside (an H100 at DeepSeek-V3's vocabulary, 2026-12-07).
+_AUTOTUNE_OOM = re.compile(r"RESOURCE_EXHAUSTED: (Out of memory while trying to allocate [^\[\n]*?)\s*(?:\[|\n|$)")
+
+
+def out_of_memory_message(error: str) -> str | None:
+  """What ran out of memory, from a JaxRuntimeError's text: at a step or compile (RESOURCE_EXHAUSTED) or in
+  XLA's autotuning while compiling; None for any other error."""
+  if error.startswith("RESOURCE_EXHAUSTED"):
+    return error.split("\n")[0].split(" [")[0].removeprefix("RESOURCE_EXHAUSTED: ")
+  if error.startswith("NOT_FOUND: Failed to get configs") and (m := _AUTOTUNE_OOM.search(error)):
+    return f"{m.group(1).rstrip('. ')}, while XLA autotuned the step's kernels"
+  return None
+
+
 @contextlib.contextmanager
 def out_of_memory_is_a_user_error(run_dir: Path, fresh: bool):
   """Device out of memory (at compile or at a step) becomes one UserError line with what to change.
@@ -61,7 +78,8 @@ def out_of_memory_is_a_user_error(run_dir: Path, fresh: bool):
   try:
     yield
   except jax.errors.JaxRuntimeError as e:
-    if not str(e).startswith("RESOURCE_EXHAUSTED"):
+    what = out_of_memory_message(str(e))
+    if what is None:
       raise
     metrics = run_dir / "metrics.jsonl"
     if (
@@ -71,7 +89,6 @@ def out_of_memory_is_a_user_error(run_dir: Path, fresh: bool):
       and not (run_dir / "checkpoints").exists()
     ):
       shutil.rmtree(run_dir, ignore_errors=True)
-    what = str(e).split("\n")[0].split(" [")[0].removeprefix("RESOURCE_EXHAUSTED: ")
     raise UserError(
       f"the device ran out of memory ({what}); lower per_device_batch_size, recompute more "
       "(remat_policy=full) or offload activations, or let JAX use more of the GPU (env_presets=mem_fraction_95); "

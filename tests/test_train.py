@@ -173,6 +173,35 @@ def test_out_of_memory_keeps_a_run_directory_with_steps_or_checkpoints_and_other
   assert run_dir.exists()
 
 
+# What an H100 printed when XLA's autotuner could not allocate any candidate's buffers while compiling (2026-12-07,
+# recipes/deepseek_v3_proxy_1gpu/baseline.yml at vocab_size=129280): a NOT_FOUND error, the OOM inside.
+AUTOTUNE_OOM = (
+  "NOT_FOUND: Failed to get configs for: 4 out of 384 instructions. See logs for all failures. Example failure: \n"
+  "All configs failed during profiling or were excluded from selection.\nFailures (3):\n"
+  + "EXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 14.02GiB with allocator GPU_0_bfc "
+  "on device 0. [tf-allocator-allocation-error='']\n" * 3
+)
+
+
+def test_out_of_memory_in_autotuning_is_one_line_and_other_autotuning_failures_pass(tmp_path):
+  from MaxText.errors import UserError
+  from MaxText.train import out_of_memory_is_a_user_error
+
+  run_dir = tmp_path / "fresh"
+  with pytest.raises(UserError) as e:
+    with out_of_memory_is_a_user_error(run_dir, fresh=True):
+      run_dir.mkdir()
+      raise jax.errors.JaxRuntimeError(AUTOTUNE_OOM)
+  line = str(e.value)
+  assert "allocate 14.02GiB with allocator GPU_0_bfc on device 0, while XLA autotuned the step's kernels" in line
+  assert "per_device_batch_size" in line and "\n" not in line
+  assert not run_dir.exists()
+  other = "NOT_FOUND: Failed to get configs for: 1 out of 3 instructions.\nFailures (1):\nINTERNAL: ptxas error"
+  with pytest.raises(jax.errors.JaxRuntimeError, match="ptxas"):
+    with out_of_memory_is_a_user_error(run_dir, fresh=True):
+      raise jax.errors.JaxRuntimeError(other)
+
+
 def test_out_of_memory_leaves_the_run_directory_of_other_processes(tmp_path, monkeypatch):
   """Only process 0 writes metrics.jsonl: on a host with its own run directory, process 1 would see no
   logged step after any number of them, so it never removes its directory."""
