@@ -213,33 +213,34 @@ def test_out_of_memory_leaves_the_run_directory_of_other_processes(tmp_path, mon
   assert (run_dir / "config.yml").exists()
 
 
-def test_step_clock_times_a_step_whose_dispatch_blocked_when_the_dispatch_returned():
+def test_step_clock_times_a_step_whose_dispatch_blocked_when_the_dispatch_returned(monkeypatch):
   """The loop fetches step k's metrics after dispatching step k + 1. When dispatch blocks until a step has
   run (its metrics are ready as it returns), step k is timed at its own dispatch, not at that fetch: each
   step gets its own time and the last one is not near zero. A step still running at dispatch keeps being
-  timed at its fetch."""
-  import time
-
+  timed at its fetch. The host's clock is a fake one that only the simulated work advances (no wall time)."""
   import jax.numpy as jnp
 
-  from MaxText.metrics import StepClock
+  from MaxText import metrics
 
-  ready = jax.block_until_ready(jnp.float32(1.0))  # made before the clock starts: only the sleeps are timed
+  now = [100.0]
+  monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+  ready = jax.block_until_ready(jnp.float32(1.0))
 
   def blocking_step(seconds):  # a dispatch that returns once the step has run: ready metrics
-    time.sleep(seconds)
+    now[0] += seconds
     return {"loss": ready}
 
-  clock = StepClock()
+  clock = metrics.StepClock()
   clock.dispatched(0, blocking_step(0.5))
   clock.dispatched(1, blocking_step(0.2))  # then step 0 is fetched, then step 1 after the loop
+  now[0] += 0.01  # the host's work between the dispatch and the fetch
   first, last = clock.step_time(0), clock.step_time(1)
-  assert 0.5 <= first < 0.65 and 0.2 <= last < 0.35, (first, last)  # timed at the fetches: 0.7 and ~0
+  assert (first, last) == pytest.approx((0.5, 0.2)), (first, last)  # timed at the fetches: 0.71 and 0
 
   class Running:  # a leaf whose step is still on the device as its dispatch returns
     def is_ready(self):
       return False
 
   clock.dispatched(2, {"loss": Running()})
-  time.sleep(0.2)  # the fetch waits for the device
-  assert 0.2 <= clock.step_time(2) < 0.35
+  now[0] += 0.3  # the fetch waits for the device
+  assert clock.step_time(2) == pytest.approx(0.31)
