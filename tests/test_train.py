@@ -244,3 +244,39 @@ def test_step_clock_times_a_step_whose_dispatch_blocked_when_the_dispatch_return
   clock.dispatched(2, {"loss": Running()})
   now[0] += 0.3  # the fetch waits for the device
   assert clock.step_time(2) == pytest.approx(0.31)
+
+
+def test_the_first_step_is_fetched_before_the_next_is_dispatched(tiny_config, tmp_path, monkeypatch, capsys):
+  """A fresh executable's first step is logged before the loop fetches the next batch (and dispatches the
+  next step): on a GPU its metrics became readable only once the following step had run too, which logged the
+  two steps' time as ~all on step 0 and ~10 ms on step 1. Later steps stay fetched one step late, after the
+  next dispatch (the device never waits for the host)."""
+  import MaxText.train as train_module
+
+  real_next_batch = train_module.next_batch
+
+  def next_batch(trainer, data, step):
+    print(f"NEXT BATCH {step}", flush=True)
+    return real_next_batch(trainer, data, step)
+
+  monkeypatch.setattr(train_module, "next_batch", next_batch)
+  cfg = tiny_config("steps=4", "log_period=1", f"base_output_directory={tmp_path}", "run_name=order")
+  train(cfg)
+  lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("step ", "NEXT BATCH"))]
+  events = [
+    (
+      "batch" if line.startswith("NEXT") else "log",
+      int(line.split()[-1] if line.startswith("NEXT") else line.split()[1]),
+    )
+    for line in lines
+  ]
+  assert events == [
+    ("batch", 0),
+    ("log", 0),  # before step 1's batch and dispatch: fetched at once
+    ("batch", 1),
+    ("batch", 2),
+    ("batch", 3),
+    ("log", 1),  # after step 2's dispatch: one step late
+    ("log", 2),
+    ("log", 3),
+  ], events
