@@ -368,3 +368,21 @@ def test_mosaic_tile_table_chosen_by_device_kind(tile_tables):
   gpu = SimpleNamespace(device_kind=h100, platform="gpu")
   assert gmm.describe("mosaic", device=gpu).endswith(mt.table_note(h100))
   assert "tile table" not in gmm.describe("fp8_blockwise:mosaic", device=gpu)
+
+
+def test_tokamax_backend_parses_absl_flags_at_their_defaults_not_the_programs_options(monkeypatch):
+  """tokamax reads absl flags and parses sys.argv itself when nobody has: a benchmark's own --out then stopped
+  it with UnrecognizedFlagError (H100, 2026-12-07). The backend parses no arguments first."""
+  from absl import flags
+
+  from MaxText.gmm import tokamax as tokamax_backend
+
+  fresh = flags.FlagValues()
+  flags.DEFINE_string("tokamax_like_setting", "default", "a library's flag", flag_values=fresh)
+  monkeypatch.setattr(flags, "FLAGS", fresh)
+  monkeypatch.setattr(sys, "argv", ["benchmark.py", "--out", "results"])
+  with pytest.raises(flags.UnrecognizedFlagError):
+    fresh(sys.argv)  # what tokamax would do: the check can fail
+  fresh.unparse_flags()
+  tokamax_backend._absl_flags_at_defaults()
+  assert fresh.is_parsed() and fresh.tokamax_like_setting == "default"
