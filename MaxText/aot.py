@@ -50,9 +50,11 @@ compiling): it is replaced by a stand-in with flash attention's memory footprint
 Exit codes: 0 the step fits; 2 bad input (one `error:` line); 3 it does not fit in
 the GPU's memory budget (the report, then one `error:` line naming the overshoot; a
 train state alone over the budget is reported at once, without compiling). The
-budget is the GPU's memory times `--memory-fraction`, by default what the run would
-get: XLA_PYTHON_CLIENT_MEM_FRACTION as the recipe's env_presets / env_vars or the
-environment set it, else jax's default 0.75. The recipe's XLA flags
+budget is XLA's allocator limit on the GPU: the memory CUDA reports times `--memory-fraction`,
+by default what the run would get: XLA_PYTHON_CLIENT_MEM_FRACTION as the recipe's env_presets /
+env_vars or the environment set it, else jax's default 0.75. The compile aims for the same
+limit as on the GPU, where XLA rematerialises a step that would not fit until it does (or
+cannot), so the peak reported is the rematerialised one. The recipe's XLA flags
 (xla_flag_presets, xla_flags) are applied before compiling, as train.py does.
 
 The CUDA plugin must be importable. On a GPU machine `jax[cuda13]` provides it; elsewhere
@@ -184,19 +186,20 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
   from MaxText.train_step import Trainer
 
   spec = compile_only.GPUS[gpu]
-  devices = compile_only.devices(gpu, num_gpus, gpus_per_host)
+  budget = compile_only.allocator_limit(gpu, memory_fraction)
+  devices = compile_only.devices(gpu, num_gpus, gpus_per_host, memory_limit=budget)
   mesh = make_mesh(cfg.mesh, devices)
   trainer = Trainer(cfg, mesh)
   b, s = trainer.global_batch, cfg.train.max_target_length
   batch = Batch(*(jax.ShapeDtypeStruct((b, s), dt) for dt in (jnp.int32, jnp.int32, jnp.float32)))
   state, shardings = trainer.abstract_state(), trainer.state_shardings
-  budget = int(spec.memory_bytes * memory_fraction)
   offloaded_state = host_bytes(state, shardings)
   memory = {
     "parameters": per_device_bytes(state.params, shardings.params),
     "optimizer_state": per_device_bytes(state.opt_state, shardings.opt_state),
     "other_state": per_device_bytes((state.bias, state.step), (shardings.bias, shardings.step)),
     "gpu_total": spec.memory_bytes,
+    "cuda_total": spec.cuda_total_bytes,
     "memory_fraction": memory_fraction,
     "budget": budget,
   }
@@ -327,7 +330,7 @@ def gib(n: float) -> str:
 def format_report(r: dict) -> str:
   m = r["memory"]
   mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "1 device"
-  budget = f"of a budget of {gib(m['budget']).strip()} ({m['memory_fraction']:.2f} x {m['gpu_total'] / 2**30:.1f} GiB)"
+  budget = f"of a budget of {gib(m['budget']).strip()} ({m['memory_fraction']:.2f} x {m['cuda_total'] / 2**30:.1f} GiB)"
   lines = [
     f"{r['recipe_model']} on {r['num_gpus']} x {r['device_kind']} ({r['hosts']} host(s)); mesh {mesh}",
     f"step: {r['global_batch']} sequences x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens"

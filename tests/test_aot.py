@@ -113,6 +113,25 @@ def test_help_names_every_option():
   assert "--search [--search-budget K]" in proc.stdout and "optimizer_memory_host_offload=true" in proc.stdout
 
 
+def test_the_budget_is_the_allocators_limit_and_the_compile_aims_for_it():
+  """The budget is what XLA's allocator may hold: CUDA's total memory (less than nvidia-smi's) times the memory
+  fraction. The topology the planner compiles for states the memory from which XLA's compile derives the same
+  rematerialisation limit as on a GPU, where the client passes the allocator's limit (XLA takes 80% of a
+  description's memory when compiling for a topology)."""
+  from MaxText import compile_only
+
+  # The bytes_limit an H200 reported at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (2026-12-02-h200-remat-offload).
+  assert compile_only.allocator_limit("h200", 0.95) == 142_606_336_000
+  for gpu, spec in compile_only.GPUS.items():
+    assert spec.cuda_total_bytes < spec.memory_bytes, gpu
+  limit = compile_only.allocator_limit("h100", 0.95)
+  stated = compile_only.description_memory(limit)
+  assert abs(stated * compile_only.XLA_TOPOLOGY_MEMORY_SHARE - limit) <= 1
+  assert f"device_memory_size: {stated}\n" in compile_only.target_config("h100", device_memory_size=stated)
+  assert f"device_memory_size: {compile_only.GPUS['h100'].memory_bytes}\n" in compile_only.target_config("h100")
+  assert compile_only.description_memory(None) is None
+
+
 def test_flop_count_multiplies_scan_bodies_and_counts_the_backward():
   def f(w, x):
     return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()

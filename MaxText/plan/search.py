@@ -346,13 +346,14 @@ class Search:
   """The candidates of one cluster, their estimates, and the compiles that check them."""
 
   def __init__(self, recipe: str, overrides: list[str], gpu: str, num_gpus: int, gpus_per_host: int, budget: int, fab):
+    """budget: the allocator's limit on each GPU (compile_only.allocator_limit), which the compiles aim for."""
     from MaxText import compile_only
 
     self.recipe, self.overrides, self.gpu, self.num_gpus = recipe, list(overrides), gpu, num_gpus
     self.per_node = min(num_gpus, gpus_per_host)
     self.gpus_per_host, self.budget, self.fab = gpus_per_host, budget, fab
     self.spec = compile_only.GPUS[gpu]
-    self.devices = {num_gpus: compile_only.devices(gpu, num_gpus, gpus_per_host)}
+    self.devices = {num_gpus: compile_only.devices(gpu, num_gpus, gpus_per_host, memory_limit=budget)}
     self._states: dict = {}
     self.cal = Calibration()
     self._base_model = None
@@ -393,7 +394,7 @@ class Search:
     from MaxText import compile_only
 
     if num_gpus not in self.devices:
-      self.devices[num_gpus] = compile_only.devices(self.gpu, num_gpus, self.gpus_per_host)
+      self.devices[num_gpus] = compile_only.devices(self.gpu, num_gpus, self.gpus_per_host, memory_limit=self.budget)
     key = (num_gpus, cand["ici_expert_parallelism"], cand["ici_data_parallelism"], cand["ici_fsdp_parallelism"])
     if key not in self._states:
       self._states[key] = state_bytes(cfg, self.devices[num_gpus])
@@ -415,9 +416,8 @@ def main(cfg, args, overrides, plan, format_report) -> int:
   `--search-budget` - 1 candidates the calibrated estimate says fit; prints the table."""
   from MaxText import compile_only
 
-  spec = compile_only.GPUS[args.gpu]
   fab = fabric_lib.load(args.gpu, args.fabric)
-  spec_budget = int(spec.memory_bytes * args.memory_fraction)
+  spec_budget = compile_only.allocator_limit(args.gpu, args.memory_fraction)
   s = Search(args.recipe, overrides, args.gpu, args.num_gpus, args.gpus_per_host, spec_budget, fab)
   own_state = state_bytes(cfg, s.devices[args.num_gpus])
   own = own_candidate(cfg, own_state["mesh"])
@@ -433,7 +433,7 @@ def main(cfg, args, overrides, plan, format_report) -> int:
       refused[str(e).splitlines()[0][:160]] = refused.get(str(e).splitlines()[0][:160], 0) + 1
       continue
     rows.append(
-      {**cand, "_cfg": c, "_terms": terms, **time_estimate(c, cand, terms, spec, args.num_gpus, s.per_node, fab)}
+      {**cand, "_cfg": c, "_terms": terms, **time_estimate(c, cand, terms, s.spec, args.num_gpus, s.per_node, fab)}
     )
   own_row = next((r for r in rows if all(r[k] == own[k] for k in KEYS)), None)
   for r in rows:
