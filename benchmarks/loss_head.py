@@ -18,6 +18,7 @@ Writes DIR/loss_head.json and DIR/loss_head.md.
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,7 +99,9 @@ def main() -> int:
   targets = jax.random.randint(keys[2], (t,), 0, v, jnp.int32)
   mask = (jax.random.uniform(keys[3], (t,)) > 0.05).astype(jnp.float32)  # some tokens masked, as padding is
 
+  start = time.perf_counter()
   want = reference(h, head, targets, mask)
+  print(f"float32 reference: compiled and ran in {time.perf_counter() - start:.1f} s", flush=True)
   flops = 3 * 2.0 * t * d * v  # model FLOPs: forward GEMM, two backward GEMMs (recomputation not counted)
   variants = {"einsum_fp32": einsum_loss(jnp.float32), "einsum_bf16": einsum_loss(jnp.bfloat16)}
   variants.update({f"chunked[{c}]": chunked_loss(c) for c in chunks})
@@ -106,6 +109,7 @@ def main() -> int:
   for name, loss in variants.items():
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     row = {"variant": name}
+    print(f"{name}: compiling", flush=True)  # each row compiles and autotunes for tens of seconds on a GPU
     try:
       compiled = fn.lower(h, head, targets, mask).compile()
       mem = compiled.memory_analysis()
