@@ -8,6 +8,8 @@ Rows, each timed as loss and gradients w.r.t. the hidden states and the head (CU
                    take float32 operands (what model.py ran before layers/loss_head.py)
   chunked[N]       layers/loss_head.py with loss_chunk_tokens=N (0 = one chunk): bf16 GEMMs with float32
                    accumulation in a custom VJP, float32 softmax, N tokens at a time
+  TAG:chunked[N]   with --compare DIR (another checkout, e.g. `git worktree add DIR COMMIT`): that checkout's
+                   layers/loss_head.py at the same chunk sizes, in the same process (an A/B of two versions)
 
 Each row also gives the compiled temporary memory (XLA's memory analysis) and its error against a float32
 reference (float32 GEMMs at full precision) from the same inputs (loss relative error, gradients' max abs
@@ -41,15 +43,30 @@ def einsum_loss(dot_dtype):
   return loss
 
 
-def chunked_loss(chunk_tokens: int):
+def chunked_loss(chunk_tokens: int, module=None):
   import jax.numpy as jnp
 
-  from MaxText.layers.loss_head import chunked_cross_entropy
+  from MaxText.layers import loss_head
+
+  chunked_cross_entropy = (module or loss_head).chunked_cross_entropy
 
   def loss(h, head, targets, mask):
     return chunked_cross_entropy(h, head, targets, mask, chunk_tokens=chunk_tokens, dot_dtype=jnp.bfloat16)
 
   return loss
+
+
+def other_loss_head(checkout: Path):
+  """MaxText/layers/loss_head.py of another checkout, loaded under its own name (it imports only jax)."""
+  import importlib.util
+
+  path = checkout / "MaxText" / "layers" / "loss_head.py"
+  if not path.is_file():
+    raise SystemExit(f"--compare {checkout}: no {path}; give the root of another checkout of this repository")
+  spec = importlib.util.spec_from_file_location(f"loss_head_of_{checkout.name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def reference(h, head, targets, mask):
@@ -84,6 +101,7 @@ def main() -> int:
   ap.add_argument("--vocab", type=int, default=129280)
   ap.add_argument("--chunks", default="0,2048,4096,8192", help="loss_chunk_tokens values to time")
   ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--compare", type=Path, help="another checkout whose loss head to time beside this one's")
   args = ap.parse_args()
   chunks = [int(c) for c in args.chunks.split(",") if c]
 
@@ -105,6 +123,9 @@ def main() -> int:
   flops = 3 * 2.0 * t * d * v  # model FLOPs: forward GEMM, two backward GEMMs (recomputation not counted)
   variants = {"einsum_fp32": einsum_loss(jnp.float32), "einsum_bf16": einsum_loss(jnp.bfloat16)}
   variants.update({f"chunked[{c}]": chunked_loss(c) for c in chunks})
+  if args.compare:
+    other = other_loss_head(args.compare)
+    variants.update({f"{args.compare.name}:chunked[{c}]": chunked_loss(c, other) for c in chunks})
   rows = []
   for name, loss in variants.items():
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
