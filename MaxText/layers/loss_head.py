@@ -34,6 +34,12 @@ whole float32 logits 16,384 x 129,280 x 4 B = 8.47 GB (7.89 GiB), their float32 
 1.06 GB (0.99 GiB), 3.18 GB (2.96 GiB) live at once; beside it the float32 dhead accumulator,
 7168 x 129,280 x 4 B = 3.71 GB (3.45 GiB), the size of head's float32 gradient. 4096 rows keep each
 GEMM (M = 4096, N = 129,280, K = 7168) large enough for full tensor-core rate.
+
+The price of forming the gradients in the forward pass: each head's dhead (and its float32 dh, [tokens, D])
+is held from the head's forward to its backward, so with MTP two dheads are live at once where the backward
+used to hold one at a time. The planner puts it at +0.57 GiB for h100_optimized.yml (vocabulary 32,768: 71.87
+against 71.30 GiB) and +1.26 GiB at vocabulary 129,280, 2 sequences, on an H100 (77.89 against 76.63 GiB after
+XLA's rematerialisation; benchmarks/results/2026-12-07-cpu-plan-memory-limit).
 """
 
 import functools
