@@ -30,7 +30,7 @@ class GpuSpec:
 # cuda_total_bytes, measured: H200 from the allocator's bytes_limit at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 # (142,606,336,000; benchmarks/results/2026-12-02-h200-remat-offload); H100 from the rematerialisation limit XLA
 # logged compiling on one (78,868,003,306 bytes, benchmarks/results/2026-12-07-h100-proxy-v129k) against the one
-# it logs compiling the same step here for a known memory size (module docstring of `devices`). B200: not
+# it logs compiling the same step here for a known memory size (the docstring of `devices`). B200: not
 # measured; nvidia-smi's total less the H200's 613 MiB.
 GPUS = {
   "h100": GpuSpec("NVIDIA H100 80GB HBM3", 85_520_809_984, 85_018_438_602, 3_352_320_000_000),

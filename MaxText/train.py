@@ -484,7 +484,11 @@ def execute(run: Run) -> list[dict]:
         done = step + 1  # state.step once this step has run
         stop = preemption.should_stop(done)
         save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
-        fetched = save or stop
+        # A fresh executable's first step is fetched before the next is dispatched: on a GPU its metrics became
+        # readable only once the next step had run too (H100: 1,105 ms logged for step 0, 11.5 ms for step 1),
+        # which split two steps' time wrongly between them. The device waits for the host once.
+        first_run = step == start or step in step_fns.compiled_at
+        fetched = save or stop or first_run
         if fetched:
           # Only a state whose update was finite is saved: fetch this step's metrics first.
           log.defer(step, metrics)
@@ -494,13 +498,6 @@ def execute(run: Run) -> list[dict]:
         if stop:
           stopped_at = done
           break
-        if not fetched and (step == start or step in step_fns.compiled_at):
-          # A fresh executable's first step is fetched before the next is dispatched: on a GPU its metrics
-          # became readable only once the next step had run too (H100: 1,105 ms logged for step 0, 11.5 ms for
-          # step 1), which split two steps' time wrongly between them. The device waits for the host once.
-          log.defer(step, metrics)
-          log.fetch()
-          fetched = True
         if done < t.steps:
           batch, log.data_wait[done] = next_batch(trainer, data, done)
         if not fetched:

@@ -61,8 +61,6 @@ def other_loss_head(checkout: Path):
   import importlib.util
 
   path = checkout / "MaxText" / "layers" / "loss_head.py"
-  if not path.is_file():
-    raise SystemExit(f"--compare {checkout}: no {path}; give the root of another checkout of this repository")
   spec = importlib.util.spec_from_file_location(f"loss_head_of_{checkout.name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -104,6 +102,8 @@ def main() -> int:
   ap.add_argument("--compare", type=Path, help="another checkout whose loss head to time beside this one's")
   args = ap.parse_args()
   chunks = [int(c) for c in args.chunks.split(",") if c]
+  if args.compare and not (args.compare / "MaxText" / "layers" / "loss_head.py").is_file():
+    ap.error(f"--compare {args.compare}: no MaxText/layers/loss_head.py there; give the root of another checkout")
 
   import jax
   import jax.numpy as jnp
