@@ -35,10 +35,9 @@ def write_parquet(path: Path, docs: list[str]) -> Path:
 
 
 def tf_example(text: str) -> bytes:
-  from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2 as pb
+  from MaxText.data import tf_example as examples
 
-  feature = pb.Feature(bytes_list=pb.BytesList(value=[text.encode()]))
-  return tf_example_pb2.Example(features=pb.Features(feature={"text": feature})).SerializeToString()
+  return examples.bytes_example("text", [text.encode()])
 
 
 def write_arrayrecord(path: Path, docs: list[str]) -> Path:

@@ -320,10 +320,9 @@ def _init_worker(kind, path, add_bos, add_eos, files, column, output_column, cou
 
 
 def example_bytes(feature: str, ids: list[int]) -> bytes:
-  from tensorflow_datasets.proto import tf_example_pb2, tf_feature_pb2 as pb
+  from MaxText.data import tf_example
 
-  value = pb.Feature(int64_list=pb.Int64List(value=ids))
-  return tf_example_pb2.Example(features=pb.Features(feature={feature: value})).SerializeToString()
+  return tf_example.int64_example(feature, ids)
 
 
 def write_shard(task: ShardTask) -> dict:

@@ -4,8 +4,9 @@
          its records without TensorFlow (dataset_path = data_dir, dataset_name, train_split)
   grain  local files, grain_train_files (comma-separated globs) of one grain_file_type:
            arrayrecord  records are serialized tf.train.Example (what TFDS, MaxText's
-                        ArrayRecord conversions and pretokenize.py write), read lazily;
-                        an int64 feature (token ids) comes as a numpy array
+                        ArrayRecord conversions and pretokenize.py write), read lazily
+                        with protobuf alone (data/tf_example.py); an int64 feature
+                        (token ids) comes as a numpy array
            parquet      Apache Parquet, the column read with pyarrow
            jsonl        one JSON object a line, read with pyarrow
            text         one document a line
@@ -22,8 +23,6 @@ before anything is written.
 import glob
 import os
 from pathlib import Path
-
-import numpy as np
 
 from MaxText.config_schema import DataConfig
 from MaxText.errors import UserError
@@ -133,27 +132,15 @@ def _arrow_column(table, column: str, where: str):
   return table.column(column).combine_chunks().to_pylist()
 
 
-NUMERIC_FEATURES = {"int64_list": np.int64, "float_list": np.float32}
-
-
 def _parse_example(record: bytes) -> dict:
-  """tf.train.Example bytes -> {feature: bytes | list of bytes | int64 array | float32 array}, without TensorFlow.
+  """tf.train.Example bytes -> {feature: bytes | list of bytes | int64 array | float32 array}, with protobuf alone.
 
   Numeric features become numpy arrays straight from protobuf's buffer: for a document of token ids that is
   ~25x faster than a list of Python ints, and grain's per-element statistics walk a list item by item.
   """
-  from tensorflow_datasets.proto import tf_example_pb2
+  from MaxText.data import tf_example
 
-  example = tf_example_pb2.Example.FromString(record)
-  out = {}
-  for name, feature in example.features.feature.items():
-    kind = feature.WhichOneof("kind")
-    if kind in NUMERIC_FEATURES:
-      out[name] = np.array(getattr(feature, kind).value, NUMERIC_FEATURES[kind])
-      continue
-    values = list(feature.bytes_list.value) if kind else []
-    out[name] = values[0] if len(values) == 1 else values
-  return out
+  return tf_example.parse(record)
 
 
 def _hf(cfg: DataConfig):
