@@ -37,11 +37,10 @@ Options:
                              (MaxText/plan/search.py); exit 0 when a compiled one fits, else 3
   --json OUT                 the report (or the search's table) as JSON
 
-optimizer_memory_host_offload=true: compile-only GPUs have no host memory space, so jax drops the
-moments' pinned-host placement and XLA compiles them on the device. The peak stands: on a real H100,
-XLA brings the moments to the device at the step's start and holds them through the peak (the 1-GPU
-proxy at 2 sequences: 63.1 GiB without the offload, 64.7 GiB with it). Their copies to the host and
-back count in the prediction.
+optimizer_memory_host_offload=true: the step copies the moments to the device only after the backward
+pass (MaxText/host_offload.py), so they are not part of its peak. Compile-only GPUs have no host memory
+space, so the planner compiles the step without them and makes them on the device where the copies
+land; their copies in and out (PCIe) count in the prediction, not overlapped.
 
 attention=cudnn_flash cannot be compiled without a GPU (XLA builds the cuDNN graph while
 compiling): it is replaced by a stand-in with flash attention's memory footprint
@@ -203,12 +202,18 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
     "memory_fraction": memory_fraction,
     "budget": budget,
   }
-  # Compile-only devices list no memory spaces, so jax drops the pinned_host placement of offloaded optimizer
-  # state and XLA compiles it on the device. Its peak stands (module docstring: a real H100 holds the moments
-  # through the peak all the same); the copies to the host and back are still made every step.
+  # Compile-only devices list no memory spaces, so jax would drop the pinned_host placement of offloaded
+  # optimizer state and XLA hold it on the device through the step. The step is compiled without it instead
+  # (host_offload.step_for_planning): what the GPU holds of it is its copies after the backward pass.
   if not offloaded_state and cfg.train.optimizer_memory_host_offload:
     memory["optimizer_state_offloaded"] = memory["optimizer_state"]
-  state_on_gpu = memory["parameters"] + memory["optimizer_state"] + memory["other_state"] - offloaded_state
+  state_on_gpu = (
+    memory["parameters"]
+    + memory["optimizer_state"]
+    + memory["other_state"]
+    - offloaded_state
+    - memory.get("optimizer_state_offloaded", 0)
+  )
   report = {
     "recipe_model": cfg.model.model_name,
     "gpu": gpu,
@@ -246,7 +251,9 @@ def compiled_peak_bytes(mem) -> int:
 def compile_and_measure(
   cfg, trainer, state, batch, gpu: str, num_gpus: int, memory: dict, offloaded_state: int, fabric_file=None
 ) -> dict:
-  from MaxText import compile_only, flops, step_flops
+  import jax
+
+  from MaxText import compile_only, flops, host_offload, step_flops
 
   spec = compile_only.GPUS[gpu]
   stand_in = cfg.model.attention == "cudnn_flash"
@@ -255,18 +262,28 @@ def compile_and_measure(
     from MaxText.layers import mla
 
     mla.ATTENTION = {**mla.ATTENTION, "cudnn_flash": flash_stand_in.attention}
+  unplaced = memory.get("optimizer_state_offloaded", 0)  # compile-only devices cannot place it (plan())
   start = time.perf_counter()
   with (
     xla_warnings.capture_stderr() as xla_log,
     progress(f"Compiling the training step for {num_gpus} x {gpu} (compile-only)", cfg.train.compile_heartbeat_seconds),
   ):
-    compiled = trainer.jit_step().lower(state, batch).compile()
+    if unplaced:  # host_offload.step_for_planning: the moments made on the device where the GPU's copies land
+      shardings = trainer.state_shardings._replace(opt_state=None)
+      step = jax.jit(
+        host_offload.step_for_planning(trainer.step, state.opt_state),
+        in_shardings=(shardings, trainer.batch_sharding),
+        out_shardings=(shardings, None),
+        donate_argnums=(0,),
+      )
+      compiled = step.lower(state._replace(opt_state=None), batch).compile()
+    else:
+      compiled = trainer.jit_step().lower(state, batch).compile()
   compile_s = time.perf_counter() - start
   mem = compiled.memory_analysis()
   executed = step_flops.step_flops(trainer.step, state, batch)
 
   peak = compiled_peak_bytes(mem)
-  unplaced = memory.get("optimizer_state_offloaded", 0)  # compiled on the device (plan())
   memory.update(
     arguments=mem.argument_size_in_bytes,
     outputs=mem.output_size_in_bytes,
@@ -356,8 +373,8 @@ def format_report(r: dict) -> str:
     f"  host offloaded     {gib(m['host_offloaded'])}   (pinned host memory, not counted in the peak)",
     *(
       [
-        "  (optimizer state offloaded: compiled on the device, as a GPU holds it through the peak anyway; "
-        "its host copies are in the prediction)"
+        "  (optimizer state offloaded: compiled as copied to the device after the backward pass, as the GPU "
+        "does; its host copies are in the prediction, not overlapped)"
       ]
       if m.get("optimizer_state_offloaded")
       else []

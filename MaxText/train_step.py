@@ -236,7 +236,7 @@ class Trainer:
 
   def step(self, state: TrainState, batch: model.Batch, microbatches: int | None = None) -> tuple[TrainState, dict]:
     """One training step over the first `microbatches` microbatches of `batch` (all by default)."""
-    state = host_offload.to_device(state, self.device_state_shardings, self.cfg.train)
+    state = host_offload.params_to_device(state, self.device_state_shardings, self.cfg.train)
     m, extra = self.cfg.model, {}
     # Scheduled values are traced functions of the step: one compiled step for all of them.
     if self.mtp_weight is not None:
@@ -248,6 +248,11 @@ class Trainer:
       extra["batch_size"] = jnp.int32(runs * self.batch_sizes.micro)
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
+      state = state._replace(
+        opt_state=host_offload.optimizer_state_to_device(
+          state.opt_state, grad_norm, self.device_state_shardings, self.cfg.train
+        )
+      )
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       new_params = optax.apply_updates(state.params, updates)
     bias = state.bias

@@ -132,6 +132,24 @@ def test_the_budget_is_the_allocators_limit_and_the_compile_aims_for_it():
   assert compile_only.description_memory(None) is None
 
 
+@needs_plugin
+def test_offloaded_optimizer_state_is_planned_where_the_gpu_holds_it(tmp_path):
+  """Compile-only GPUs have no host memory: the planner compiles the step without the optimizer state and
+  makes it on the device after the backward pass, where the step copies it from the host. Its peak is the
+  one without offload less the moments (which the tiny model's backward pass outweighs)."""
+  plans = {}
+  for offload in ("false", "true"):
+    out = tmp_path / f"{offload}.json"
+    key = f"optimizer_memory_host_offload={offload}"
+    proc, plans[offload] = aot("recipes/deepseek_v3_tiny.yml", "--gpu", "h100", "--num-gpus", "1", key, out=out)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  on, off = plans["false"]["memory"], plans["true"]["memory"]
+  assert off["optimizer_state_offloaded"] == off["host_offloaded"] == on["optimizer_state"] > 0
+  assert on["arguments"] - off["arguments"] == on["optimizer_state"]  # not an argument of the planned step
+  saved = on["peak"] - off["peak"]
+  assert 0.95 * on["optimizer_state"] <= saved <= 1.05 * on["optimizer_state"], (saved, on["optimizer_state"])
+
+
 def test_flop_count_multiplies_scan_bodies_and_counts_the_backward():
   def f(w, x):
     return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()

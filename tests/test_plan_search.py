@@ -98,6 +98,17 @@ def test_671b_terms_match_sizes_computed_by_hand():
   assert search.head_bytes(cfg, 4096, 1) == 4096 * v * 6 + d * v * 4  # no fsdp: nothing gathered
 
 
+def test_offloaded_optimizer_state_leaves_the_backward_peak_but_not_the_update():
+  gib = 2**30
+  state = {"parameters": 21 * gib, "optimizer_state": 21 * gib, "other_state": 0, "mesh": {"expert": 4, "fsdp": 32}}
+  on = search.memory_terms(load_config(DSV3, []), state)
+  off = search.memory_terms(load_config(DSV3, ["optimizer_memory_host_offload=true"]), state)
+  assert search.peak_estimate(on, 1.0) - search.peak_estimate(off, 1.0) == state["optimizer_state"]
+  # a working set smaller than the moments: the update, which holds the whole state, is the peak
+  assert search.peak_estimate(off, 0.0) == search.whole_state(off) == search.peak_estimate(on, 0.0)
+  assert "(optimizer state 21.0 GiB in host memory)" in search._composition(off, 1.0)
+
+
 def test_fit_scale_is_least_squares():
   assert search.fit_scale([(10.0, 25.0), (20.0, 50.0)]) == pytest.approx(2.5)
   assert search.fit_scale([(10.0, 10.0), (10.0, 30.0)]) == pytest.approx(2.0)
@@ -135,3 +146,12 @@ def test_search_ranks_671b_candidates_for_128_h200_without_compiling(tmp_path):
   assert ranked == sorted(ranked, reverse=True)
   assert all(r["ici_expert_parallelism"] * r["ici_fsdp_parallelism"] * r["ici_data_parallelism"] == 128 for r in rows)
   assert not any("compiled_fits" in r for r in rows)
+  # each configuration with the optimizer state on the GPU and in host memory: the host's is never faster
+  # (its copies are serial), and never needs more memory
+  by_config = {}
+  for r in rows:
+    by_config.setdefault(tuple(r[k] for k in search.KEYS[:-1]), {})[r["optimizer_memory_host_offload"]] = r
+  assert by_config and all(set(pair) == {True, False} for pair in by_config.values())
+  for pair in by_config.values():
+    assert pair[True]["est_tokens_per_s_per_gpu"] < pair[False]["est_tokens_per_s_per_gpu"]
+    assert pair[True]["est_peak_gib"] <= pair[False]["est_peak_gib"]

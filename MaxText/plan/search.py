@@ -3,10 +3,10 @@ fit, ranked by predicted tokens/s per GPU.
 
 Candidates: mesh shapes (expert parallelism over half a node, a node, or 2 or 4 nodes, the rest fsdp, or a
 data axis of 2 over fsdp), remat policies (`none`, `save_dot_except_moe`, `full`, the recipe's own), the output
-head's chunk (the recipe's `loss_chunk_tokens` or a quarter of it) and sequences per GPU (1, 2, 4). Not the
-optimizer state's host offload: on a real H100 XLA brings the moments to the device at the step's start and
-holds them through its peak (the 1-GPU proxy at 2 sequences compiled to 63.1 GiB without it and 64.7 GiB
-with it, 2026-12-06), so it buys no memory, only PCIe traffic.
+head's chunk (the recipe's `loss_chunk_tokens` or a quarter of it), sequences per GPU (1, 2, 4), and the
+optimizer state in device or pinned host memory (`optimizer_memory_host_offload`: the step copies it in after
+the backward pass, MaxText/host_offload.py, so it leaves the backward pass's peak; it costs its bytes over
+PCIe in and out every step, not overlapped).
 
 Compiling a 671B candidate takes minutes, so every candidate is first scored without compiling, and only
 `--search-budget` of them are compiled:
@@ -60,6 +60,7 @@ KEYS = (
   "remat_policy",
   "loss_chunk_tokens",
   "per_device_batch_size",
+  "optimizer_memory_host_offload",
 )
 
 
@@ -82,7 +83,8 @@ def candidates(cfg, num_gpus: int, gpus_per_node: int) -> list[dict]:
       for policy in dict.fromkeys((*POLICIES, cfg.model.remat_policy)):
         for loss_chunk in chunks:
           for batch in BATCHES:
-            out.append(dict(zip(KEYS, (ep, data, fsdp, policy, loss_chunk, batch), strict=True)))
+            for offload in (False, True):
+              out.append(dict(zip(KEYS, (ep, data, fsdp, policy, loss_chunk, batch, offload), strict=True)))
   return out
 
 
@@ -95,6 +97,7 @@ def own_candidate(cfg, mesh_shape: dict) -> dict:
     cfg.model.remat_policy,
     cfg.model.loss_chunk_tokens,
     cfg.train.per_device_batch_size,
+    cfg.train.optimizer_memory_host_offload,
   )
   return dict(zip(KEYS, values, strict=True))
 
@@ -216,6 +219,7 @@ def memory_terms(cfg, state: dict) -> dict:
   return {
     "parameters": state["parameters"],
     "optimizer_state": state["optimizer_state"],
+    "optimizer_offloaded": t.optimizer_memory_host_offload,
     "other_state": state["other_state"],
     # the gradients have the parameters' dtype and shardings
     "gradients": state["parameters"],
@@ -234,14 +238,20 @@ def working(terms: dict) -> float:
   return sum(terms[k] for k in WORKING)
 
 
-def on_device_state(terms: dict) -> float:
-  """What the compiled step holds of the state and gradients when nothing is offloaded."""
+def whole_state(terms: dict) -> float:
+  """The state and gradients: what the device holds during the optimizer update."""
   return terms["parameters"] + terms["optimizer_state"] + terms["other_state"] + terms["gradients"]
 
 
+def on_device_state(terms: dict) -> float:
+  """What the device holds of the state and gradients beside the working set: offloaded optimizer state
+  arrives only after the backward pass, when the working set is gone."""
+  return whole_state(terms) - (terms["optimizer_state"] if terms["optimizer_offloaded"] else 0)
+
+
 def peak_estimate(terms: dict, scale: float) -> float:
-  """The step's peak: state + gradients + the working set times its calibration factor."""
-  return on_device_state(terms) + scale * working(terms)
+  """The step's peak: state + gradients + the working set times its calibration factor, or the update's."""
+  return max(on_device_state(terms) + scale * working(terms), whole_state(terms))
 
 
 class Calibration:
@@ -320,7 +330,8 @@ def time_estimate(cfg, cand: dict, terms: dict, spec, num_gpus: int, gpus_per_no
     place = Placement(ep_nodes, min(ep, gpus_per_node), ep)
     t = 4 * (m.num_moe_layers + m.mtp_num_layers) * fabric_lib.collective_time("all-to-all", rows, place, fab)
     comm.append({"overlapped": False, "seconds": t, "fabric": "inter-node" if ep_nodes > 1 else "intra-node"})
-  s = predict.step(comp, comm)  # offloaded activations' host copies: in the compiled candidates' prediction
+  # Offloaded activations' host copies: in the compiled candidates' prediction; the optimizer state's, serial.
+  s = predict.step(comp, comm, 0.0, terms["optimizer_state"] if terms["optimizer_offloaded"] else 0.0)
   return {"est_step_s": s["step_s"], "est_tokens_per_s_per_gpu": tokens / s["step_s"]}
 
 
@@ -333,7 +344,11 @@ def _describe(cand: dict) -> str:
 
 
 def _composition(terms: dict, scale: float) -> str:
-  moments = f" + optimizer state {_gib(terms['optimizer_state'])}"
+  moments = (
+    f" (optimizer state {_gib(terms['optimizer_state'])} in host memory)"
+    if terms["optimizer_offloaded"]
+    else f" + optimizer state {_gib(terms['optimizer_state'])}"
+  )
   return (
     f"parameters {_gib(terms['parameters'])}{moments} + gradients {_gib(terms['gradients'])} + working set "
     f"{_gib(scale * working(terms))} (layer weights {_gib(scale * terms['layer_weights'])}, MoE buffers "
@@ -514,7 +529,7 @@ def main(cfg, args, overrides, plan, format_report) -> int:
   rows.sort(key=table_key)
   print(f"calibration ({len(s.cal.points)} compiled candidate(s)): {s.cal.describe()}")
   print(
-    f"{'ep':>4} {'data':>4} {'fsdp':>4} {'remat':<20} {'chunk':>5} {'batch':>5} {'est GiB':>8} "
+    f"{'ep':>4} {'data':>4} {'fsdp':>4} {'remat':<20} {'chunk':>5} {'batch':>5} {'opt':>4} {'est GiB':>8} "
     f"{'est tok/s':>9} {'GiB':>7} {'tok/s':>8} {'TFLOP/s':>7}"
   )
   for r in rows[:20]:
@@ -530,7 +545,8 @@ def main(cfg, args, overrides, plan, format_report) -> int:
     print(
       f"{r['ici_expert_parallelism']:>4} {r['ici_data_parallelism']:>4} {r['ici_fsdp_parallelism']:>4} "
       f"{r['remat_policy']:<20} "
-      f"{r['loss_chunk_tokens']:>5} {r['per_device_batch_size']:>5} {r['est_peak_gib']:>8.1f} "
+      f"{r['loss_chunk_tokens']:>5} {r['per_device_batch_size']:>5} "
+      f"{'host' if r['optimizer_memory_host_offload'] else 'gpu':>4} {r['est_peak_gib']:>8.1f} "
       f"{r['est_tokens_per_s_per_gpu']:>9,.0f} {comp}"
     )
   if args.json_out:
