@@ -114,7 +114,8 @@ def step_for_planning(step, abstract_opt_state):
     with planning_without_host_memory(abstract_opt_state):
       new, metrics = step(state._replace(opt_state=None), batch)
     written = jax.lax.optimization_barrier(new.opt_state)
-    return new._replace(opt_state=jax.tree.map(lambda x: x.reshape(-1)[:1], written)), metrics
+    # One element each: flattening a sharded array first would gather it whole.
+    return new._replace(opt_state=jax.tree.map(lambda x: x[(0,) * x.ndim], written)), metrics
 
   return planned
 
