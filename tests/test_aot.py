@@ -136,7 +136,9 @@ def test_the_budget_is_the_allocators_limit_and_the_compile_aims_for_it():
 def test_offloaded_optimizer_state_is_planned_where_the_gpu_holds_it(tmp_path):
   """Compile-only GPUs have no host memory: the planner compiles the step without the optimizer state and
   makes it on the device after the backward pass, where the step copies it from the host. Its peak is the
-  one without offload less the moments (which the tiny model's backward pass outweighs)."""
+  one without offload less the moments (which the tiny model's backward pass outweighs). On several GPUs
+  the two programs schedule differently, so the comparison is on one (tests/test_host_offload.py checks
+  the sharded case)."""
   plans = {}
   for offload in ("false", "true"):
     out = tmp_path / f"{offload}.json"
