@@ -6,9 +6,11 @@ host memory between steps. Inside the jitted step they move with jax.device_put 
 device memory, and the step's out_shardings put the updated state back in pinned host memory.
 Parameters move as the step starts (`params_to_device`: the forward pass needs them). The moments move
 only once the gradients' global norm exists (`optimizer_state_to_device`), i.e. after the backward pass:
-nothing else orders their copies, and XLA starts them with the step and holds the moments through the
-backward pass's peak, which on an H100 made the offload cost memory instead of saving it (the 1-GPU
-proxy at 2 sequences: 63.1 GiB without it, 64.7 GiB with it). The copies go over
+nothing else orders their copies, and XLA started them with the step and held the moments through the
+backward pass's peak, which on an H100 made the offload cost memory instead of saving it. The 1-GPU proxy
+at 2 sequences on an H100: 63.1 GiB without offload, 64.7 GiB with the copies at the start, 51.0 GiB with
+them after the norm (benchmarks/results/2026-12-07-h100-head-offload; 14.8 GiB of moments, ~0.6 s of
+copies a step). The copies go over
 PCIe (~50 GB/s on H200): fp32 weights plus two fp32 moments are 12 bytes a parameter each way.
 
 Needs devices with a pinned_host memory space (GPU, TPU, and XLA:CPU have one); otherwise a
