@@ -35,6 +35,7 @@ MIN_VERSIONS = {
   "orbax-checkpoint": "0.12.8",
   "grain": "0.2.18",
   "array-record": "0.8.6",
+  "protobuf": "5.28.3",
   "tensorflow-datasets": "4.9.10",
   "pyarrow": "26.0",
   "datasets": "5.2.0",
@@ -67,6 +68,13 @@ OPTIONAL_PACKAGES = [
     "pip install orbax-checkpoint",
   ),
   ("grain", "grain", ("grain",), "grain data loading pipelines", "pip install grain"),
+  (
+    "protobuf",
+    "google.protobuf",
+    ("protobuf",),
+    "tf.train.Example records (TFDS and pre-tokenized ArrayRecord data)",
+    "pip install protobuf",
+  ),
   (
     "tensorflow_datasets",
     "tensorflow_datasets",
