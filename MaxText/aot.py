@@ -84,6 +84,8 @@ USAGE = (
 )
 
 # Dense tensor-core peaks per GPU (no sparsity), FLOP/s: Hopper SXM, bf16 and fp8.
+# Train-state fields that host offload keeps in pinned host memory -> their memory report key.
+UNPLACED = {"params": "parameters", "opt_state": "optimizer_state"}
 PEAK_FLOPS = {"h100": {"bf16": 989e12, "fp8": 1979e12}, "h200": {"bf16": 989e12, "fp8": 1979e12}}
 
 
@@ -179,7 +181,7 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
   import jax
   import jax.numpy as jnp
 
-  from MaxText import compile_only
+  from MaxText import compile_only, host_offload
   from MaxText.model import Batch
   from MaxText.sharding import host_bytes, make_mesh, per_device_bytes
   from MaxText.train_step import Trainer
@@ -203,17 +205,14 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
     "budget": budget,
   }
   # Compile-only devices list no memory spaces, so jax would drop the pinned_host placement of offloaded
-  # optimizer state and XLA hold it on the device through the step. The step is compiled without it instead
-  # (host_offload.step_for_planning): what the GPU holds of it is its copies after the backward pass.
-  if not offloaded_state and cfg.train.optimizer_memory_host_offload:
-    memory["optimizer_state_offloaded"] = memory["optimizer_state"]
-  state_on_gpu = (
-    memory["parameters"]
-    + memory["optimizer_state"]
-    + memory["other_state"]
-    - offloaded_state
-    - memory.get("optimizer_state_offloaded", 0)
-  )
+  # state and XLA hold it on the device through the step. The step is compiled without it instead
+  # (host_offload.step_for_planning): what the GPU holds of it is its copies, where the step makes them.
+  if not offloaded_state:
+    for field, key in UNPLACED.items():
+      if field in host_offload.offloaded_fields(cfg.train):
+        memory[f"{key}_offloaded"] = memory[key]
+  unplaced = sum(memory.get(f"{key}_offloaded", 0) for key in UNPLACED.values())
+  state_on_gpu = memory["parameters"] + memory["optimizer_state"] + memory["other_state"] - offloaded_state - unplaced
   report = {
     "recipe_model": cfg.model.model_name,
     "gpu": gpu,
@@ -227,7 +226,7 @@ def plan(cfg, gpu: str, num_gpus: int, gpus_per_host: int, memory_fraction: floa
     "memory": memory,
   }
   if state_on_gpu > budget:
-    memory.update(host_offloaded=offloaded_state + memory.get("optimizer_state_offloaded", 0), peak=state_on_gpu)
+    memory.update(host_offloaded=offloaded_state + unplaced, peak=state_on_gpu)
     return {**report, "compiled": False, "fits": False}
   with compile_only.lowering_for(devices):
     measured = compile_and_measure(cfg, trainer, state, batch, gpu, num_gpus, memory, offloaded_state, fabric_file)
@@ -262,21 +261,24 @@ def compile_and_measure(
     from MaxText.layers import mla
 
     mla.ATTENTION = {**mla.ATTENTION, "cudnn_flash": flash_stand_in.attention}
-  unplaced = memory.get("optimizer_state_offloaded", 0)  # compile-only devices cannot place it (plan())
+  # Compile-only devices cannot place offloaded state (plan()): the fields the planned step makes itself.
+  unplaced_fields = [f for f, key in UNPLACED.items() if f"{key}_offloaded" in memory]
+  unplaced = sum(memory[f"{UNPLACED[f]}_offloaded"] for f in unplaced_fields)
   start = time.perf_counter()
   with (
     xla_warnings.capture_stderr() as xla_log,
     progress(f"Compiling the training step for {num_gpus} x {gpu} (compile-only)", cfg.train.compile_heartbeat_seconds),
   ):
-    if unplaced:  # host_offload.step_for_planning: the moments made on the device where the GPU's copies land
-      shardings = trainer.state_shardings._replace(opt_state=None)
+    if unplaced_fields:  # host_offload.step_for_planning: made on the device where the GPU's copies land
+      none = dict.fromkeys(unplaced_fields)
+      shardings = trainer.state_shardings._replace(**none)
       step = jax.jit(
-        host_offload.step_for_planning(trainer.step, state.opt_state),
+        host_offload.step_for_planning(trainer.step, {f: getattr(state, f) for f in unplaced_fields}),
         in_shardings=(shardings, trainer.batch_sharding),
         out_shardings=(shardings, None),
         donate_argnums=(0,),
       )
-      compiled = step.lower(state._replace(opt_state=None), batch).compile()
+      compiled = step.lower(state._replace(**none), batch).compile()
     else:
       compiled = trainer.jit_step().lower(state, batch).compile()
   compile_s = time.perf_counter() - start
@@ -373,10 +375,21 @@ def format_report(r: dict) -> str:
     f"  host offloaded     {gib(m['host_offloaded'])}   (pinned host memory, not counted in the peak)",
     *(
       [
-        "  (optimizer state offloaded: compiled as copied to the device after the backward pass, as the GPU "
-        "does; its host copies are in the prediction, not overlapped)"
+        "  (offloaded state compiled as copied to the device where the step copies it: "
+        + "; ".join(
+          what
+          for key, what in (
+            (
+              "parameters_offloaded",
+              "fp32 weights as the step starts, cast to the compute dtype at once, and again after the backward pass",
+            ),
+            ("optimizer_state_offloaded", "optimizer state after the backward pass"),
+          )
+          if m.get(key)
+        )
+        + "; its host copies are in the prediction, not overlapped)"
       ]
-      if m.get("optimizer_state_offloaded")
+      if m.get("optimizer_state_offloaded") or m.get("parameters_offloaded")
       else []
     ),
     f"  peak               {gib(m['peak'])}   {budget}",

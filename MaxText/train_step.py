@@ -229,30 +229,31 @@ class Trainer:
     mean = lambda x: x / runs  # noqa: E731
     # Loads and dropped counts are totals over the step; losses are means over microbatches.
     aux = aux._replace(ce=mean(aux.ce), mtp=mean(aux.mtp), balance=mean(aux.balance))
-    return (loss / runs, aux), jax.tree.map(lambda a, x: mean(a).astype(x.dtype), g, p)
+    return (loss / runs, aux), jax.tree.map(lambda a: mean(a).astype(self.cfg.model.weight_dtype), g)
 
   def host_offload_description(self) -> str:
     return host_offload.describe(self.cfg.train)
 
   def step(self, state: TrainState, batch: model.Batch, microbatches: int | None = None) -> tuple[TrainState, dict]:
     """One training step over the first `microbatches` microbatches of `batch` (all by default)."""
-    state = host_offload.params_to_device(state, self.device_state_shardings, self.cfg.train)
     m, extra = self.cfg.model, {}
+    p = host_offload.params_for_compute(state.params, state.step, self.device_state_shardings, self.cfg.train)
+    if self.cfg.train.parameter_memory_host_offload:
+      # Differentiated in the compute dtype: the fp32 copy is dead once cast (model.loss_fn's cast is then a
+      # no-op), and the gradients are those of the cast's cotangents as without offload.
+      p = model.cast_for_compute(p, jnp.dtype(m.dtype))
     # Scheduled values are traced functions of the step: one compiled step for all of them.
     if self.mtp_weight is not None:
       extra["mtp_loss_scaling_factor"] = self.mtp_weight(state.step)
       m = dataclasses.replace(m, mtp_loss_scaling_factor=extra["mtp_loss_scaling_factor"])
-    (loss, aux), grads = self._grads(state.params, state.bias, batch, m, microbatches)
+    (loss, aux), grads = self._grads(p, state.bias, batch, m, microbatches)
+    grads = jax.tree.map(lambda g: g.astype(self.cfg.model.weight_dtype), grads)
     if self.batch_sizes:  # sequences this step ran
       runs = self.cfg.train.gradient_accumulation_steps if microbatches is None else microbatches
       extra["batch_size"] = jnp.int32(runs * self.batch_sizes.micro)
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
-      state = state._replace(
-        opt_state=host_offload.optimizer_state_to_device(
-          state.opt_state, grad_norm, self.device_state_shardings, self.cfg.train
-        )
-      )
+      state = host_offload.state_for_update(state, grad_norm, self.device_state_shardings, self.cfg.train)
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       new_params = optax.apply_updates(state.params, updates)
     bias = state.bias

@@ -133,23 +133,35 @@ def test_the_budget_is_the_allocators_limit_and_the_compile_aims_for_it():
 
 
 @needs_plugin
-def test_offloaded_optimizer_state_is_planned_where_the_gpu_holds_it(tmp_path):
-  """Compile-only GPUs have no host memory: the planner compiles the step without the optimizer state and
-  makes it on the device after the backward pass, where the step copies it from the host. Its peak is the
-  one without offload less the moments (which the tiny model's backward pass outweighs). On several GPUs
-  the two programs schedule differently, so the comparison is on one (tests/test_host_offload.py checks
-  the sharded case)."""
+def test_offloaded_state_is_planned_where_the_gpu_holds_it(tmp_path):
+  """Compile-only GPUs have no host memory: the planner compiles the step without the offloaded state and
+  makes it on the device where the step copies it from the host (the moments after the backward pass, the
+  master weights as the step starts and again then). With the moments offloaded, the peak is the one without
+  offload less the moments (which the tiny model's backward pass outweighs); with the weights too, less half
+  the weights. On several GPUs the programs schedule differently, so the comparison is on one
+  (tests/test_host_offload.py checks the sharded case)."""
   plans = {}
-  for offload in ("false", "true"):
-    out = tmp_path / f"{offload}.json"
-    key = f"optimizer_memory_host_offload={offload}"
-    proc, plans[offload] = aot("recipes/deepseek_v3_tiny.yml", "--gpu", "h100", "--num-gpus", "1", key, out=out)
+  offloads = {
+    "none": (),
+    "opt": ("optimizer_memory_host_offload=true",),
+    "all": ("optimizer_memory_host_offload=true", "parameter_memory_host_offload=true"),
+  }
+  for name, keys in offloads.items():
+    out = tmp_path / f"{name}.json"
+    proc, plans[name] = aot("recipes/deepseek_v3_tiny.yml", "--gpu", "h100", "--num-gpus", "1", *keys, out=out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-  on, off = plans["false"]["memory"], plans["true"]["memory"]
+  on, off, all_off = (plans[k]["memory"] for k in offloads)
   assert off["optimizer_state_offloaded"] == off["host_offloaded"] == on["optimizer_state"] > 0
   assert on["arguments"] - off["arguments"] == on["optimizer_state"]  # not an argument of the planned step
   saved = on["peak"] - off["peak"]
   assert 0.95 * on["optimizer_state"] <= saved <= 1.05 * on["optimizer_state"], (saved, on["optimizer_state"])
+  # The master weights too: the forward and backward passes hold their bfloat16 copy, half their fp32 bytes.
+  assert all_off["parameters_offloaded"] == on["parameters"] > 0 and "parameters_offloaded" not in off
+  assert all_off["host_offloaded"] == on["parameters"] + on["optimizer_state"]
+  saved = off["peak"] - all_off["peak"]
+  half = on["parameters"] / 2
+  assert 0.9 * half <= saved <= 1.05 * half, (saved, half)
+  assert "fp32 weights as the step starts, cast to the compute dtype" in proc.stdout
 
 
 def test_flop_count_multiplies_scan_bodies_and_counts_the_backward():

@@ -109,6 +109,21 @@ def test_offloaded_optimizer_state_leaves_the_backward_peak_but_not_the_update()
   assert "(optimizer state 21.0 GiB in host memory)" in search._composition(off, 1.0)
 
 
+def test_offloaded_master_weights_leave_their_compute_copy_until_the_update():
+  gib = 2**30
+  state = {"parameters": 21 * gib, "optimizer_state": 21 * gib, "other_state": 0, "mesh": {"expert": 4, "fsdp": 32}}
+  keys = ["optimizer_memory_host_offload=true"]
+  opt = search.memory_terms(load_config(DSV3, keys), state)
+  both = search.memory_terms(load_config(DSV3, [*keys, "parameter_memory_host_offload=true"]), state)
+  # fp32 master weights, a bfloat16 copy for the forward and backward passes: half of them leaves the peak
+  assert both["compute_parameters"] == state["parameters"] // 2
+  assert search.peak_estimate(opt, 1.0) - search.peak_estimate(both, 1.0) == state["parameters"] // 2
+  assert search.peak_estimate(both, 0.0) == search.whole_state(both)  # the update holds them whole again
+  # the weights cross PCIe three times a step (in, in again for the update, out), the moments twice
+  assert search.serial_copy_bytes(both) - search.serial_copy_bytes(opt) == 1.5 * state["parameters"]
+  assert "parameters 10.5 GiB (their compute-dtype copy; 21.0 GiB in host memory)" in search._composition(both, 1.0)
+
+
 def test_fit_scale_is_least_squares():
   assert search.fit_scale([(10.0, 25.0), (20.0, 50.0)]) == pytest.approx(2.5)
   assert search.fit_scale([(10.0, 10.0), (10.0, 30.0)]) == pytest.approx(2.0)
@@ -146,12 +161,14 @@ def test_search_ranks_671b_candidates_for_128_h200_without_compiling(tmp_path):
   assert ranked == sorted(ranked, reverse=True)
   assert all(r["ici_expert_parallelism"] * r["ici_fsdp_parallelism"] * r["ici_data_parallelism"] == 128 for r in rows)
   assert not any("compiled_fits" in r for r in rows)
-  # each configuration with the optimizer state on the GPU and in host memory: the host's is never faster
-  # (its copies are serial), and never needs more memory
+  # each configuration with the state on the GPU, the optimizer state in host memory, and the master weights
+  # too: each further offload is slower (its copies are serial) and never needs more memory
   by_config = {}
   for r in rows:
-    by_config.setdefault(tuple(r[k] for k in search.KEYS[:-1]), {})[r["optimizer_memory_host_offload"]] = r
-  assert by_config and all(set(pair) == {True, False} for pair in by_config.values())
-  for pair in by_config.values():
-    assert pair[True]["est_tokens_per_s_per_gpu"] < pair[False]["est_tokens_per_s_per_gpu"]
-    assert pair[True]["est_peak_gib"] <= pair[False]["est_peak_gib"]
+    place = (r["optimizer_memory_host_offload"], r["parameter_memory_host_offload"])
+    by_config.setdefault(tuple(r[k] for k in search.KEYS[:-2]), {})[place] = r
+  assert by_config and all(set(places) == set(search.STATE_PLACES) for places in by_config.values())
+  for places in by_config.values():
+    for less, more in zip(search.STATE_PLACES, search.STATE_PLACES[1:]):
+      assert places[more]["est_tokens_per_s_per_gpu"] < places[less]["est_tokens_per_s_per_gpu"]
+      assert places[more]["est_peak_gib"] <= places[less]["est_peak_gib"]

@@ -152,6 +152,13 @@ def communication(collectives: list[Collective], device_ids, gpus_per_node: int,
   return out
 
 
+def serial_state_copy_bytes(memory: dict) -> float:
+  """`step`'s serial_host_copy_bytes (counted in and out) for offloaded state (MaxText/host_offload.py): the
+  moments cross twice, the fp32 master weights three times (in as the step starts, in again for the update,
+  out), i.e. 1.5 x the two-way count."""
+  return memory.get("optimizer_state_offloaded", 0) + 1.5 * memory.get("parameters_offloaded", 0)
+
+
 def step(
   compute: Compute, comm: list[dict], host_copy_bytes: float = 0.0, serial_host_copy_bytes: float = 0.0,
   overlap: float = OVERLAP,
@@ -253,9 +260,10 @@ def predict(
   state = {"parameters": memory.get("parameters", 0), "optimizer_state": memory.get("optimizer_state", 0)}
   comp = compute_time(cfg, gpu_spec, tokens_per_gpu, local_experts, state)
   comm = communication(collectives, device_ids, gpus_per_node, fab)
-  # Offloaded activations and state go out and back every step; the optimizer state's copies are serial.
-  state_copies = memory.get("optimizer_state_offloaded", 0)
-  host = memory.get("host_offloaded", 0) - state_copies
+  # Offloaded activations go out and back every step, overlapped; the state's copies are serial.
+  state_copies = serial_state_copy_bytes(memory)
+  state_offloaded = memory.get("optimizer_state_offloaded", 0) + memory.get("parameters_offloaded", 0)
+  host = memory.get("host_offloaded", 0) - state_offloaded
   s = step(comp, comm, host, state_copies)
   model_flops = flops.training_flops_per_token(cfg.model, cfg.moe, cfg.train.max_target_length) * tokens_per_gpu
   tflops = model_flops / s["step_s"] / 1e12

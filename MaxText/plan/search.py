@@ -4,10 +4,13 @@ fit, ranked by predicted tokens/s per GPU.
 Candidates: mesh shapes (expert parallelism over half a node, a node, or 2 or 4 nodes, the rest fsdp, or a
 data axis of 2 over fsdp), remat policies (`none`, `save_dot_except_moe`, `full`, the recipe's own), the output
 head's chunk (the recipe's `loss_chunk_tokens` or a quarter of it), sequences per GPU (1, 2, 4), and the
-optimizer state in device or pinned host memory (`optimizer_memory_host_offload`: the step copies it in after
-the backward pass, MaxText/host_offload.py, so it leaves the backward pass's peak; it costs its bytes over
-PCIe in and out every step, not overlapped; on an H100 the 1-GPU proxy's peak fell from 63.1 to 51.0 GiB
-and its step grew by ~0.6 s for 2 x 15.9 GB).
+state's place (`STATE_PLACES`): all on the device; the optimizer state in pinned host memory
+(`optimizer_memory_host_offload`: the step copies it in after the backward pass, MaxText/host_offload.py, so
+it leaves the backward pass's peak; it costs its bytes over PCIe in and out every step, not overlapped; on an
+H100 the 1-GPU proxy's peak fell from 63.1 to 51.0 GiB and its step grew by ~0.6 s for 2 x 15.9 GB); or the
+fp32 master weights there too (`parameter_memory_host_offload`: the forward and backward passes read a
+compute-dtype copy, so the device holds 2 bytes a parameter instead of 4 until the update; the weights cross
+PCIe three times a step).
 
 Compiling a 671B candidate takes minutes, so every candidate is first scored without compiling, and only
 `--search-budget` of them are compiled:
@@ -62,7 +65,11 @@ KEYS = (
   "loss_chunk_tokens",
   "per_device_batch_size",
   "optimizer_memory_host_offload",
+  "parameter_memory_host_offload",
 )
+# (optimizer state, parameters) in pinned host memory: each offload in the order it saves the most per byte
+# copied.
+STATE_PLACES = ((False, False), (True, False), (True, True))
 
 
 def _bytes(dtype: str) -> int:
@@ -84,8 +91,8 @@ def candidates(cfg, num_gpus: int, gpus_per_node: int) -> list[dict]:
       for policy in dict.fromkeys((*POLICIES, cfg.model.remat_policy)):
         for loss_chunk in chunks:
           for batch in BATCHES:
-            for offload in (False, True):
-              out.append(dict(zip(KEYS, (ep, data, fsdp, policy, loss_chunk, batch, offload), strict=True)))
+            for opt, par in STATE_PLACES:
+              out.append(dict(zip(KEYS, (ep, data, fsdp, policy, loss_chunk, batch, opt, par), strict=True)))
   return out
 
 
@@ -99,6 +106,7 @@ def own_candidate(cfg, mesh_shape: dict) -> dict:
     cfg.model.loss_chunk_tokens,
     cfg.train.per_device_batch_size,
     cfg.train.optimizer_memory_host_offload,
+    cfg.train.parameter_memory_host_offload,
   )
   return dict(zip(KEYS, values, strict=True))
 
@@ -221,6 +229,9 @@ def memory_terms(cfg, state: dict) -> dict:
     "parameters": state["parameters"],
     "optimizer_state": state["optimizer_state"],
     "optimizer_offloaded": t.optimizer_memory_host_offload,
+    "parameters_offloaded": t.parameter_memory_host_offload,
+    # what the forward and backward passes hold of offloaded parameters: their compute-dtype copy
+    "compute_parameters": state["parameters"] * act // _bytes(m.weight_dtype),
     "other_state": state["other_state"],
     # the gradients have the parameters' dtype and shardings
     "gradients": state["parameters"],
@@ -246,8 +257,22 @@ def whole_state(terms: dict) -> float:
 
 def on_device_state(terms: dict) -> float:
   """What the device holds of the state and gradients beside the working set: offloaded optimizer state
-  arrives only after the backward pass, when the working set is gone."""
-  return whole_state(terms) - (terms["optimizer_state"] if terms["optimizer_offloaded"] else 0)
+  arrives only after the backward pass, when the working set is gone; offloaded parameters are there as
+  their compute-dtype copy until then."""
+  held = whole_state(terms) - (terms["optimizer_state"] if terms["optimizer_offloaded"] else 0)
+  if terms["parameters_offloaded"]:
+    held += terms["compute_parameters"] - terms["parameters"]
+  return held
+
+
+def serial_copy_bytes(terms: dict) -> float:
+  """Offloaded state's host copies, not overlapped (predict.serial_state_copy_bytes)."""
+  return predict.serial_state_copy_bytes(
+    {
+      "optimizer_state_offloaded": terms["optimizer_state"] if terms["optimizer_offloaded"] else 0,
+      "parameters_offloaded": terms["parameters"] if terms["parameters_offloaded"] else 0,
+    }
+  )
 
 
 def peak_estimate(terms: dict, scale: float) -> float:
@@ -331,13 +356,20 @@ def time_estimate(cfg, cand: dict, terms: dict, spec, num_gpus: int, gpus_per_no
     place = Placement(ep_nodes, min(ep, gpus_per_node), ep)
     t = 4 * (m.num_moe_layers + m.mtp_num_layers) * fabric_lib.collective_time("all-to-all", rows, place, fab)
     comm.append({"overlapped": False, "seconds": t, "fabric": "inter-node" if ep_nodes > 1 else "intra-node"})
-  # Offloaded activations' host copies: in the compiled candidates' prediction; the optimizer state's, serial.
-  s = predict.step(comp, comm, 0.0, terms["optimizer_state"] if terms["optimizer_offloaded"] else 0.0)
+  # Offloaded activations' host copies: in the compiled candidates' prediction; the offloaded state's, serial.
+  s = predict.step(comp, comm, 0.0, serial_copy_bytes(terms))
   return {"est_step_s": s["step_s"], "est_tokens_per_s_per_gpu": tokens / s["step_s"]}
 
 
 def _gib(n: float) -> str:
   return f"{n / 2**30:.1f} GiB"
+
+
+def _offload(cand: dict) -> str:
+  """The table's state-offload column: none, the optimizer state, or it and the master weights."""
+  if cand["parameter_memory_host_offload"]:
+    return "opt+wts" if cand["optimizer_memory_host_offload"] else "wts"
+  return "opt" if cand["optimizer_memory_host_offload"] else "-"
 
 
 def _describe(cand: dict) -> str:
@@ -350,8 +382,14 @@ def _composition(terms: dict, scale: float) -> str:
     if terms["optimizer_offloaded"]
     else f" + optimizer state {_gib(terms['optimizer_state'])}"
   )
+  weights = (
+    f"parameters {_gib(terms['compute_parameters'])} (their compute-dtype copy; {_gib(terms['parameters'])} in "
+    "host memory)"
+    if terms["parameters_offloaded"]
+    else f"parameters {_gib(terms['parameters'])}"
+  )
   return (
-    f"parameters {_gib(terms['parameters'])}{moments} + gradients {_gib(terms['gradients'])} + working set "
+    f"{weights}{moments} + gradients {_gib(terms['gradients'])} + working set "
     f"{_gib(scale * working(terms))} (layer weights {_gib(scale * terms['layer_weights'])}, MoE buffers "
     f"{_gib(scale * terms['moe_buffers'])}, head {_gib(scale * terms['head'])}, activations "
     f"{_gib(scale * terms['activations'])})"
@@ -530,7 +568,7 @@ def main(cfg, args, overrides, plan, format_report) -> int:
   rows.sort(key=table_key)
   print(f"calibration ({len(s.cal.points)} compiled candidate(s)): {s.cal.describe()}")
   print(
-    f"{'ep':>4} {'data':>4} {'fsdp':>4} {'remat':<20} {'chunk':>5} {'batch':>5} {'opt':>4} {'est GiB':>8} "
+    f"{'ep':>4} {'data':>4} {'fsdp':>4} {'remat':<20} {'chunk':>5} {'batch':>5} {'offload':>8} {'est GiB':>8} "
     f"{'est tok/s':>9} {'GiB':>7} {'tok/s':>8} {'TFLOP/s':>7}"
   )
   for r in rows[:20]:
@@ -547,7 +585,7 @@ def main(cfg, args, overrides, plan, format_report) -> int:
       f"{r['ici_expert_parallelism']:>4} {r['ici_data_parallelism']:>4} {r['ici_fsdp_parallelism']:>4} "
       f"{r['remat_policy']:<20} "
       f"{r['loss_chunk_tokens']:>5} {r['per_device_batch_size']:>5} "
-      f"{'host' if r['optimizer_memory_host_offload'] else 'gpu':>4} {r['est_peak_gib']:>8.1f} "
+      f"{_offload(r):>8} {r['est_peak_gib']:>8.1f} "
       f"{r['est_tokens_per_s_per_gpu']:>9,.0f} {comp}"
     )
   if args.json_out:
