@@ -350,6 +350,11 @@ class StepLog:
     self.traces: dict[int, dict] = {}  # step -> its metrics_trace_period values (profile.MetricsTracer)
 
   def dispatched(self, step: int, metrics) -> None:
+    # The metrics' copies to the host are queued now, behind this step only: queued at the fetch, after the
+    # next step's dispatch, a GPU ran them after that step too, and the fetch charged this step both steps'
+    # time (H100, 3 steps: 1,908 ms logged for step 1, 2.8 ms for step 2).
+    for value in metrics.values():
+      value.copy_to_host_async()
     self.clock.dispatched(step, metrics)
 
   def traced(self, step: int, values: dict) -> None:

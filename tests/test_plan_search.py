@@ -115,10 +115,15 @@ def test_offloaded_master_weights_leave_their_compute_copy_until_the_update():
   keys = ["optimizer_memory_host_offload=true"]
   opt = search.memory_terms(load_config(DSV3, keys), state)
   both = search.memory_terms(load_config(DSV3, [*keys, "parameter_memory_host_offload=true"]), state)
-  # fp32 master weights, a bfloat16 copy for the forward and backward passes: half of them leaves the peak
-  assert both["compute_parameters"] == state["parameters"] // 2
-  assert search.peak_estimate(opt, 1.0) - search.peak_estimate(both, 1.0) == state["parameters"] // 2
-  assert search.peak_estimate(both, 0.0) == search.whole_state(both)  # the update holds them whole again
+  # fp32 master weights, a bfloat16 copy for the forward and backward passes and bfloat16 gradients until the
+  # update: half the weights' bytes and half the gradients' leave the peak (the 671B on 128 x H100: 24.2 GiB
+  # of 21.4 GiB of weights)
+  assert both["compute_parameters"] == both["gradients"] == state["parameters"] // 2 == opt["gradients"] // 2
+  assert search.peak_estimate(opt, 1.0) - search.peak_estimate(both, 1.0) == state["parameters"]
+  # the update holds the fp32 weights whole again
+  assert (
+    search.peak_estimate(both, 0.0) == search.whole_state(both) == search.whole_state(opt) - state["parameters"] // 2
+  )
   # the weights cross PCIe three times a step (in, in again for the update, out), the moments twice
   assert search.serial_copy_bytes(both) - search.serial_copy_bytes(opt) == 1.5 * state["parameters"]
   assert "parameters 10.5 GiB (their compute-dtype copy; 21.0 GiB in host memory)" in search._composition(both, 1.0)
