@@ -165,3 +165,22 @@ def test_exposed_communication_and_weak_scaling():
   assert s["exposed_communication_s"] == pytest.approx(0.2) and s["step_s"] == pytest.approx(1.2)
   s = predict.step(comp, [{**comm[0], "seconds": 1.5}])  # more than 90% of the compute cannot hide
   assert s["exposed_communication_s"] == pytest.approx(0.6)
+
+
+def test_weak_scaling_leaves_out_the_state_share_that_shrinks_with_the_cluster():
+  """At the same tokens per GPU, collectives inside a node cost the same at any size: the efficiency stays
+  100% however large the offloaded state's serial copies and the update are on the smallest cluster (their
+  share shrinks with more GPUs; counted, it read 226% for the 671B on 128 x H100 against 8 GPUs)."""
+  comp = predict.Compute({"attention": 1.0, "optimizer": 0.1}, 1.1)
+  fab = fabric.load("h100", None)
+  size, count = 64e6, 20
+  seconds = fabric.collective_time("all-to-all", size, Placement(1, 8, 8), fab) * count
+  a2a = {"kind": "all-to-all", "size": size, "count": count, "nodes": 1, "per_node": 8, "group_size": 8}
+  comm = [{**a2a, "overlapped": False, "seconds": seconds, "fabric": "intra-node"}]
+  rows = predict.weak_scaling(comp, comm, 128, 8, fab, state_copy_bytes=20e9)
+  assert [r["num_gpus"] for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024]
+  assert all(r["efficiency"] == pytest.approx(1.0) for r in rows)
+  # the 8-GPU step holds 16 times the 128-GPU share of the state's copies and update
+  by_n = {r["num_gpus"]: r for r in rows}
+  assert by_n[8]["state_s"] == pytest.approx(16 * by_n[128]["state_s"])
+  assert by_n[8]["step_s"] - by_n[128]["step_s"] == pytest.approx(15 * by_n[128]["state_s"])
