@@ -146,6 +146,37 @@ def test_calibration_is_per_tokens_per_gpu_linear_between_and_nearest_beyond():
   assert "0.900 at 4,096 tokens/GPU, 2.400 at 16,384" in cal.describe()
 
 
+def test_calibration_keeps_each_expert_width_apart_once_it_has_points():
+  cal = search.Calibration()
+  cal.add(4096, 10.0, 8.0, expert=8)
+  # expert 16 compiled nothing yet: the factor of every point
+  assert cal.scale(4096, 16) == cal.scale(4096, 8) == pytest.approx(0.8)
+  cal.add(4096, 10.0, 12.0, expert=16)
+  assert cal.scale(4096, 8) == pytest.approx(0.8) and cal.scale(4096, 16) == pytest.approx(1.2)
+  assert cal.scale(4096, 4) == pytest.approx(1.0)  # no points of its own: the fit over all of them
+  assert "by expert parallelism: 8: 0.800 at 4,096; 16: 1.200 at 4,096" in cal.describe()
+
+
+def test_an_untried_fit_is_named_when_the_compiles_run_out():
+  """The compiles ran out before one fitted: the line names the best uncompiled estimate and how to compile
+  it, not "nothing fits" beside an estimate under the budget (the 671B on 128 x H100, 2026-12-07)."""
+  from types import SimpleNamespace
+
+  cand = dict(zip(search.KEYS, (4, 1, 32, "custom", 1024, 2, True, True), strict=True))
+  tried = {**cand, "ici_expert_parallelism": 16, "ici_fsdp_parallelism": 8, "compiled_fits": False}
+  rows = [
+    {**tried, "est_fits": True, "est_peak_gib": 70.0, "est_tokens_per_s_per_gpu": 327.0, "peak_gib": 83.2},
+    {**cand, "est_fits": True, "est_peak_gib": 74.8, "est_tokens_per_s_per_gpu": 397.0},
+    {**cand, "per_device_batch_size": 1, "est_fits": True, "est_peak_gib": 65.4, "est_tokens_per_s_per_gpu": 203.0},
+  ]
+  s = SimpleNamespace(budget=75.2 * 2**30, recipe="r.yml", gpu="h100", overrides=["steps=5"])
+  line = search.why_nothing_fits(s, rows, 128)
+  assert line.startswith("error: search: none of the 1 compiled candidate(s) fits 75.2 GiB per GPU, and 2 not")
+  assert "estimated at 74.8 GiB and 397 tokens/s/GPU" in line and "\n" not in line
+  assert "python -m MaxText.aot r.yml --gpu h100 --num-gpus 128 steps=5 ici_expert_parallelism=4 " in line
+  assert "per_device_batch_size=2" in line and "--search-budget" in line
+
+
 @needs_plugin
 def test_search_ranks_671b_candidates_for_128_h200_without_compiling(tmp_path):
   out = tmp_path / "search.json"

@@ -243,7 +243,8 @@ def memory_terms(cfg, state: dict) -> dict:
     "moe_buffers": MOE_ROW_BUFFERS * rows * m.emb_dim * act,
     "head": head_bytes(cfg, tokens, fsdp),
     "activations": kept_activation_bytes(cfg, rows),
-    "tokens": tokens,  # per GPU: what the calibration is indexed by
+    "tokens": tokens,  # per GPU: what the calibration is indexed by (and expert parallelism, below)
+    "expert": ep,
   }
 
 
@@ -285,22 +286,27 @@ def peak_estimate(terms: dict, scale: float) -> float:
 
 
 class Calibration:
-  """The working set's factor as a function of tokens per GPU, from (tokens, analytic, compiled) points."""
+  """The working set's factor as a function of tokens per GPU, from (tokens, analytic, compiled, expert)
+  points. Where the candidate's expert parallelism has compiled points of its own, only those count: the
+  terms miss by different factors at different expert widths (the 671B on 128 x H100, 2026-12-07: 0.80 at
+  expert 8, ~1.2 at expert 16, ~0.86 at expert 4, all at 4,096 tokens per GPU)."""
 
   def __init__(self):
-    self.points: list[tuple[int, float, float]] = []
+    self.points: list[tuple[int, float, float, int | None]] = []
 
-  def add(self, tokens: int, analytic: float, compiled: float) -> None:
-    self.points.append((tokens, analytic, compiled))
+  def add(self, tokens: int, analytic: float, compiled: float, expert: int | None = None) -> None:
+    self.points.append((tokens, analytic, compiled, expert))
 
-  def by_tokens(self) -> dict[int, float]:
+  def by_tokens(self, expert: int | None = None) -> dict[int, float]:
+    """Factor per tokens-per-GPU value compiled, from the points of `expert` if it has any, else all."""
+    points = [p for p in self.points if expert is not None and p[3] == expert] or self.points
     groups: dict[int, list] = {}
-    for t, a, c in self.points:
+    for t, a, c, _ in points:
       groups.setdefault(t, []).append((a, c))
     return {t: fit_scale(groups[t]) for t in sorted(groups)}
 
-  def scale(self, tokens: int) -> float:
-    known = self.by_tokens()
+  def scale(self, tokens: int, expert: int | None = None) -> float:
+    known = self.by_tokens(expert)
     if not known:
       return 1.0
     ts = list(known)
@@ -316,10 +322,17 @@ class Calibration:
     known = self.by_tokens()
     if not known:
       return "working set as the terms give it (nothing compiled)"
+    experts = sorted({p[3] for p in self.points if p[3] is not None})
     return (
       "working set x "
       + ", ".join(f"{v:.3f} at {t:,} tokens/GPU" for t, v in known.items())
       + (" (linear between, the nearest beyond)" if len(known) > 1 else " (every batch)")
+      + (
+        "; by expert parallelism: "
+        + "; ".join(f"{e}: " + ", ".join(f"{v:.3f} at {t:,}" for t, v in self.by_tokens(e).items()) for e in experts)
+        if len(experts) > 1
+        else ""
+      )
     )
 
 
@@ -460,7 +473,7 @@ class Search:
 
   def score(self, row: dict) -> None:
     """(Re)computes a row's memory estimate under the current calibration."""
-    scale = self.cal.scale(row["_terms"]["tokens"])
+    scale = self.cal.scale(row["_terms"]["tokens"], row["_terms"]["expert"])
     row["est_peak_gib"] = peak_estimate(row["_terms"], scale) / 2**30
     row["est_fits"] = row["est_peak_gib"] * 2**30 <= self.budget
 
@@ -522,7 +535,8 @@ def main(cfg, args, overrides, plan, format_report) -> int:
     r["est_before_compile_gib"] = before
     r["involuntary_rematerializations"] = len(rep.get("involuntary_rematerializations", []))
     if rep["compiled"]:
-      s.cal.add(r["_terms"]["tokens"], working(r["_terms"]), m["peak"] - on_device_state(r["_terms"]))
+      t = r["_terms"]
+      s.cal.add(t["tokens"], working(t), m["peak"] - on_device_state(t), t["expert"])
     if rep.get("prediction"):
       p = rep["prediction"]
       r["tokens_per_s_per_gpu"] = p["tokens_per_s_per_gpu"]
@@ -614,19 +628,32 @@ def main(cfg, args, overrides, plan, format_report) -> int:
 
 
 def why_nothing_fits(s: Search, rows: list[dict], num_gpus: int) -> str:
-  """One `error:` line: the smallest candidate, what it holds, and what twice the GPUs would need."""
+  """One `error:` line: the compiles ran out before one fitted (the best estimate not compiled, and how to
+  compile it), or nothing fits (the smallest candidate, what it holds, and what twice the GPUs would need)."""
+  untried = [r for r in rows if r["est_fits"] and "compiled_fits" not in r]
+  if untried:
+    best = max(untried, key=lambda r: r["est_tokens_per_s_per_gpu"])
+    compiled = sum("compiled_fits" in r for r in rows)
+    return (
+      f"error: search: none of the {compiled} compiled candidate(s) fits {s.budget / 2**30:.1f} GiB per GPU, and "
+      f"{len(untried)} not compiled fit by the calibrated estimate; the best, {_describe(best)}, is estimated at "
+      f"{best['est_peak_gib']:.1f} GiB and {best['est_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU: compile it "
+      f"(python -m MaxText.aot {s.recipe} --gpu {s.gpu} --num-gpus {num_gpus} "
+      f"{' '.join([*s.overrides, _describe(best)])}) or search with "
+      "a larger --search-budget"
+    )
   small = min(rows, key=lambda r: r.get("peak_gib") or r["est_peak_gib"])
   line = (
     f"error: search: nothing fits {s.budget / 2**30:.1f} GiB per GPU; the smallest, {_describe(small)}, needs "
     f"{(small.get('peak_gib') or small['est_peak_gib']):.1f} GiB"
     + (" (compiled)" if small.get("peak_gib") else " (estimated)")
-    + f": {_composition(small['_terms'], s.cal.scale(small['_terms']['tokens']))}"
+    + f": {_composition(small['_terms'], s.cal.scale(small['_terms']['tokens'], small['_terms']['expert']))}"
   )
   more = 2 * num_gpus
   try:
     cand = {**{k: small[k] for k in KEYS}, "ici_fsdp_parallelism": small["ici_fsdp_parallelism"] * 2}
     terms = s.terms(s.config(cand), cand, more)
-    scale = s.cal.scale(terms["tokens"])
+    scale = s.cal.scale(terms["tokens"], terms["expert"])
     line += f"; on {more} GPUs it would need {peak_estimate(terms, scale) / 2**30:.1f} GiB (estimated)"
   except (UserError, ValueError):
     pass
