@@ -83,9 +83,9 @@ USAGE = (
   "[key=value ...]"
 )
 
-# Dense tensor-core peaks per GPU (no sparsity), FLOP/s: Hopper SXM, bf16 and fp8.
 # Train-state fields that host offload keeps in pinned host memory -> their memory report key.
 UNPLACED = {"params": "parameters", "opt_state": "optimizer_state"}
+# Dense tensor-core peaks per GPU (no sparsity), FLOP/s: Hopper SXM, bf16 and fp8.
 PEAK_FLOPS = {"h100": {"bf16": 989e12, "fp8": 1979e12}, "h200": {"bf16": 989e12, "fp8": 1979e12}}
 
 
