@@ -271,6 +271,7 @@ class TrainConfig:
   enable_checkpointing: bool
   async_checkpointing: bool
   checkpoint_period: int = at_least(1)
+  save_checkpoint_on_completion: bool
   max_num_checkpoints_to_keep: int = at_least(1)
   load_parameters_path: str = path()
   nan_policy: str = choice("stop", "skip")

@@ -4,7 +4,7 @@ config (validated, nothing written yet) -> mesh -> data (opened and checked)
 -> latest checkpoint (checked against the config) -> run directory -> state
 (restored, or initialised) -> compile the step (with progress) -> loop: data ->
 step -> metrics (with device times from a short trace every metrics_trace_period
-steps), a checkpoint every checkpoint_period steps, at the end and on SIGTERM.
+steps), a checkpoint every checkpoint_period steps, at the end (save_checkpoint_on_completion) and on SIGTERM.
 Under batch_size_schedule each step reads its microbatches from the data
 iterator one by one and runs the step compiled for their number.
 
@@ -252,20 +252,25 @@ def prepare(cfg: Config) -> Run:
 def initial_state(run: Run):
   """(state, first step): checkpoint run.resume_step restored with the data iterator, or a fresh state
   (optionally with the parameters of load_parameters_path)."""
+  import jax
+
   from MaxText import checkpointing
 
   cfg, trainer = run.cfg, run.trainer
   if run.resume_step is not None:
+    start = time.perf_counter()
     state, data_state = run.ckpt.restore(run.resume_step)
+    jax.block_until_ready(state)
     run.data.set_state(data_state)
-    print(f"resumed from checkpoint {run.ckpt.directory / str(run.resume_step)} (step {run.resume_step})", flush=True)
+    where = run.ckpt.directory / str(run.resume_step)
+    print(
+      f"resumed from checkpoint {where} (step {run.resume_step}) in {time.perf_counter() - start:.1f} s", flush=True
+    )
     return state, run.resume_step
   state = trainer.init_state()
   if cfg.train.load_parameters_path:
     state = state._replace(params=checkpointing.load_parameters(cfg.train.load_parameters_path, run.abstract.params))
     if cfg.moe.routed_bias:  # a converted or trained model routes with its learned balancing bias
-      import jax
-
       from MaxText.convert.checkpoint import load_bias
 
       state = state._replace(
@@ -488,7 +493,8 @@ def execute(run: Run) -> list[dict]:
           log.traced(step, values)
         done = step + 1  # state.step once this step has run
         stop = preemption.should_stop(done)
-        save = ckpt is not None and (done % t.checkpoint_period == 0 or done == t.steps or stop)
+        at_end = done == t.steps and t.save_checkpoint_on_completion
+        save = ckpt is not None and (done % t.checkpoint_period == 0 or at_end or stop)
         # A fresh executable's first step is fetched before the next is dispatched: on a GPU its metrics became
         # readable only once the next step had run too (H100: 1,105 ms logged for step 0, 11.5 ms for step 1),
         # which split two steps' time wrongly between them. The device waits for the host once.
@@ -499,7 +505,11 @@ def execute(run: Run) -> list[dict]:
           log.defer(step, metrics)
           log.fetch()
           if save:
+            start = time.perf_counter()
             ckpt.save(done, state, data.get_state())
+            blocked = time.perf_counter() - start
+            mode = "started in the background after" if t.async_checkpointing else "written in"
+            print(f"checkpoint {done}: {mode} {blocked:.1f} s of the training loop's time", flush=True)
         if stop:
           stopped_at = done
           break
@@ -513,8 +523,12 @@ def execute(run: Run) -> list[dict]:
       tracer.close()
     writer.close()
     if ckpt is not None:
+      start = time.perf_counter()
       ckpt.wait()
       ckpt.close()
+      if ckpt.last_saved is not None:
+        waited = time.perf_counter() - start
+        print(f"checkpoints: the last one finished writing {waited:.1f} s after the loop", flush=True)
   jax.block_until_ready(state)
   history = log.history
   summary = summarize(history, compile_s) if history else {"steps": 0, "compile_s": compile_s}

@@ -1,6 +1,7 @@
 """Faults, end to end through `python -m MaxText.train` on a packed JSON-lines dataset:
 SIGKILL mid-training then resume gives bit-for-bit the loss sequence of an uninterrupted run;
-SIGTERM saves a checkpoint and exits 143, and the run resumes from it; an injected NaN stops
+SIGTERM saves a checkpoint and exits 143, and the run resumes from it; a run continued in parts
+without the final save matches the uninterrupted one; an injected NaN stops
 the run (exit 1) with the last checkpoint intact, and nan_policy=skip resumes past it.
 
 The runs share a persistent compilation cache, so only the first one compiles the step.
@@ -159,6 +160,23 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_resumes(env):
   again = run(env, args(env, "preempted", f"steps={saved + 2}", "checkpoint_period=1000"))
   assert again.returncode == 0, again.stderr
   assert f"(step {saved})" in again.stdout and max(metrics(env, "preempted")) == saved + 1
+
+
+def test_a_run_continued_in_parts_without_the_final_save_matches_the_uninterrupted_one(env):
+  # save_checkpoint_on_completion=false: the first part leaves only its periodic checkpoint, the second resumes
+  # from it (what a disk with room for one checkpoint of a large model needs); the losses are the reference's.
+  first = run(env, args(env, "parts", "steps=6", "save_checkpoint_on_completion=false"))
+  assert first.returncode == 0, first.stderr
+  assert checkpoints(env, "parts") == [PERIOD]  # step 6 is the end, not a multiple of the period: not saved
+  second = run(env, args(env, "parts", "steps=10", "save_checkpoint_on_completion=false"))
+  assert second.returncode == 0, second.stderr
+  assert f"(step {PERIOD})" in second.stdout
+  assert checkpoints(env, "parts") == [PERIOD, 2 * PERIOD]
+  reference = run(env, args(env, "parts-reference", "steps=10", "enable_checkpointing=false"))
+  assert reference.returncode == 0, reference.stderr
+  parts, whole = metrics(env, "parts"), metrics(env, "parts-reference")
+  assert sorted(parts) == sorted(whole) == list(range(10))
+  assert [parts[s]["loss"] for s in range(10)] == [whole[s]["loss"] for s in range(10)]  # exact
 
 
 POISONED = """

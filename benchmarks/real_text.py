@@ -1,0 +1,205 @@
+"""A real-text corpus from Debian packages, its tokenizer, and the loss curves of runs trained on it.
+
+  python3 benchmarks/real_text.py corpus --debs DIR --out DIR [--doc-kib 256] [--vocab 32768]
+  python3 benchmarks/real_text.py curves --out DIR --stats DIR/corpus_stats.json NAME=RUN_DIR [NAME=RUN_DIR ...]
+
+corpus: the English text of three Debian packages, all of it prose written by people, none of it generated:
+  dict-gcide      the GNU Collaborative International Dictionary of English (Webster's 1913 and additions)
+  python3.11-doc  the Python 3.11 documentation's reStructuredText sources
+  linux-doc-6.1   the Linux 6.1 kernel's Documentation/ tree (reStructuredText and plain text)
+(fetch them with `apt-get download dict-gcide python3.11-doc linux-doc-6.1` on Debian 12). Each package's files are
+read in sorted order and joined into documents of at least --doc-kib KiB, so that training with packing=false (one
+document per row, long documents cut into full rows) pads little. Writes DIR/corpus.jsonl (one {"text": ...} a
+line), a byte-level BPE tokenizer trained on it (DIR/tokenizer.json, <s> and </s> as BOS and EOS) and
+DIR/corpus_stats.json: documents, bytes and tokens per package, and the unigram entropy of the token stream in nats
+(BOS and EOS included, as training sees them), which a model has learnt nothing beyond token frequencies at.
+
+curves: each run directory's metrics.jsonl (a run resumed in parts logs into the same file) -> DIR/curves.json (the
+loss of every step per run, the last-20-step mean and its gap to the first run's) and, with matplotlib,
+DIR/curves.png with the unigram entropy drawn across.
+"""
+
+import argparse
+import gzip
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+# package -> (the folder its text lives in, the file suffixes read there)
+SOURCES = {
+  "dict-gcide": ("usr/share/dictd", (".dict.dz",)),
+  "python3.11-doc": ("usr/share/doc/python3.11/html/_sources", (".rst.txt", ".txt")),
+  "linux-doc-6.1": ("usr/share/doc/linux-doc-6.1/Documentation", (".rst.gz", ".txt.gz", ".rst", ".txt")),
+}
+BOS, EOS = "<s>", "</s>"
+LAST = 20  # steps averaged for the end-of-run comparison
+
+
+def _read(path: Path) -> str:
+  raw = path.read_bytes()
+  if path.suffix in (".gz", ".dz"):  # dictd's .dz is gzip with a random-access index
+    raw = gzip.decompress(raw)
+  return raw.decode("utf-8", errors="replace").replace("\x00", "")
+
+
+def package_texts(deb: Path, root: Path) -> list[str]:
+  """The text files of one package, in sorted path order."""
+  package = deb.name.split("_")[0]
+  folder, suffixes = SOURCES[package]
+  subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+  files = sorted(p for p in (root / folder).rglob("*") if p.is_file() and p.name.endswith(suffixes))
+  if not files:
+    raise SystemExit(f"error: {deb} holds no {'/'.join(suffixes)} files under /{folder}; is it the right package?")
+  return [_read(p) for p in files]
+
+
+def documents(texts: list[str], min_bytes: int) -> list[str]:
+  """Texts joined (a blank line between) into documents of at least min_bytes; one big text is cut at blank lines."""
+  pieces = []
+  for text in texts:
+    if len(text) <= min_bytes:
+      pieces.append(text)
+      continue
+    cut = 0
+    while cut < len(text):  # a dictionary is one file: cut it at the first blank line after min_bytes
+      end = text.find("\n\n", cut + min_bytes)
+      end = len(text) if end < 0 else end + 2
+      pieces.append(text[cut:end])
+      cut = end
+  docs, current, size = [], [], 0
+  for piece in pieces:
+    current.append(piece.strip("\n"))
+    size += len(piece)
+    if size >= min_bytes:
+      docs.append("\n\n".join(current))
+      current, size = [], 0
+  if current:
+    docs.append("\n\n".join(current))
+  return docs
+
+
+def train_tokenizer(docs: list[str], vocab: int, path: Path):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab, special_tokens=[BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+  tok.save(str(path))
+  return tok
+
+
+def corpus(args) -> None:
+  debs = {p.name.split("_")[0]: p for p in sorted(args.debs.glob("*.deb"))}
+  missing = sorted(set(SOURCES) - set(debs))
+  if missing:
+    fetch = f"apt-get download {' '.join(missing)}"
+    raise SystemExit(f"error: no {', '.join(missing)} .deb in {args.debs}; fetch them with: {fetch}")
+  args.out.mkdir(parents=True, exist_ok=True)
+  per_package, all_docs = {}, []
+  with tempfile.TemporaryDirectory() as tmp:
+    for package in SOURCES:
+      docs = documents(package_texts(debs[package], Path(tmp) / package), args.doc_kib << 10)
+      per_package[package] = {"deb": debs[package].name, "documents": len(docs), "bytes": sum(map(len, docs))}
+      all_docs += docs
+      print(f"{package}: {len(docs)} documents, {per_package[package]['bytes'] / 1e6:.1f} MB", flush=True)
+  with open(args.out / "corpus.jsonl", "w") as f:
+    for doc in all_docs:
+      f.write(json.dumps({"text": doc}) + "\n")
+  tok = train_tokenizer(all_docs, args.vocab, args.out / "tokenizer.json")
+  bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+  counts, start = Counter(), 0
+  for package, info in per_package.items():
+    n = info["documents"]
+    encoded = tok.encode_batch(all_docs[start : start + n])
+    start += n
+    info["tokens"] = sum(len(e.ids) + 2 for e in encoded)
+    for e in encoded:
+      counts.update(e.ids)
+    counts[bos] += n
+    counts[eos] += n
+  total = sum(counts.values())
+  entropy = -sum(c / total * math.log(c / total) for c in counts.values())
+  stats = {
+    "packages": per_package,
+    "documents": len(all_docs),
+    "tokens": total,
+    "vocab_size": tok.get_vocab_size(),
+    "unigram_entropy_nats": entropy,
+  }
+  (args.out / "corpus_stats.json").write_text(json.dumps(stats, indent=1))
+  print(f"{total / 1e6:.1f}M tokens in {len(all_docs)} documents; unigram entropy {entropy:.3f} nats", flush=True)
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+  """step -> loss; a step logged again after a resume keeps its last value."""
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def curves(args) -> None:
+  runs = {}
+  for spec in args.runs:
+    name, _, path = spec.partition("=")
+    if not path:
+      raise SystemExit(f"error: {spec!r} is not NAME=RUN_DIR")
+    losses = read_losses(Path(path))
+    runs[name] = {"steps": sorted(losses), "losses": [losses[s] for s in sorted(losses)]}
+  first = next(iter(runs.values()))
+  base = sum(first["losses"][-LAST:]) / len(first["losses"][-LAST:])
+  for run in runs.values():
+    last = run["losses"][-LAST:]
+    run["last_mean"] = sum(last) / len(last)
+    run["gap_to_first"] = run["last_mean"] / base - 1
+  entropy = json.loads(args.stats.read_text())["unigram_entropy_nats"] if args.stats else None
+  out = {"last_steps_averaged": LAST, "unigram_entropy_nats": entropy, "runs": runs}
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "curves.json").write_text(json.dumps(out, indent=1))
+  for name, run in runs.items():
+    print(f"{name}: {len(run['steps'])} steps, last-{LAST} mean {run['last_mean']:.4f} ({run['gap_to_first']:+.2%})")
+  try:
+    import matplotlib
+  except ImportError:
+    print("matplotlib is not installed: no curves.png", file=sys.stderr)
+    return
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(9, 5))
+  for name, run in runs.items():
+    ax.plot(run["steps"], run["losses"], label=name, linewidth=1)
+  if entropy is not None:
+    ax.axhline(entropy, color="grey", linestyle="--", label=f"unigram entropy {entropy:.2f}")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats)")
+  ax.set_ylim(0, max(max(r["losses"][5:] or r["losses"]) for r in runs.values()) * 1.05)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(args.out / "curves.png", dpi=120)
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = ap.add_subparsers(dest="command", required=True)
+  c = sub.add_parser("corpus")
+  c.add_argument("--debs", type=Path, required=True)
+  c.add_argument("--out", type=Path, required=True)
+  c.add_argument("--doc-kib", type=int, default=256)
+  c.add_argument("--vocab", type=int, default=32768)
+  v = sub.add_parser("curves")
+  v.add_argument("--out", type=Path, required=True)
+  v.add_argument("--stats", type=Path)
+  v.add_argument("runs", nargs="+")
+  args = ap.parse_args(argv)
+  corpus(args) if args.command == "corpus" else curves(args)
+
+
+if __name__ == "__main__":
+  main()
