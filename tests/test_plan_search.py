@@ -177,6 +177,32 @@ def test_an_untried_fit_is_named_when_the_compiles_run_out():
   assert "per_device_batch_size=2" in line and "--search-budget" in line
 
 
+def test_before_a_fit_is_confirmed_the_next_compile_keeps_a_margin_of_the_worst_miss():
+  """The 671B on 128 x H100 (2026-12-07): after an estimate 17% under its compile (the compile 21% over it), the
+  next compile goes to a candidate that would fit by that margin, not to the faster one at the budget's edge."""
+  budget = int(75.2 * 2**30)
+  cand = dict(zip(search.KEYS, (8, 1, 16, "custom", 4096, 1, True, True), strict=True))
+
+  def row(est, tok, tokens=4096, **extra):
+    return {**cand, "_terms": {"tokens": tokens}, "est_fits": est <= 75.2, "est_peak_gib": est,
+            "est_tokens_per_s_per_gpu": tok, **extra}  # fmt: skip
+
+  missed = row(68.7, 327.0, compiled_fits=False, peak_gib=83.2, est_before_compile_gib=68.7)
+  edge, mid, low = row(74.0, 216.0), row(63.8, 203.0), row(58.6, 201.0)
+  wider = row(70.0, 397.0, tokens=8192)  # a batch nothing calibrated yet
+  rows = [missed, edge, mid, low, wider]
+  miss = search.worst_underestimate(rows)
+  assert miss == pytest.approx(83.2 / 68.7 - 1)
+  assert search.next_to_compile(rows, budget, {4096}, miss) is low  # 58.6 x 1.21 = 71.0 <= 75.2; 63.8 x 1.21 not
+  assert search.next_to_compile(rows, budget, {4096}, 0.1) is mid  # a smaller miss: the faster of the two
+  assert search.next_to_compile(rows, budget, {4096}, 0.0) is edge  # no miss seen: the fastest that fits
+  assert search.next_to_compile(rows, budget, set(), miss) is low  # nothing calibrated: every batch, with the margin
+  assert search.next_to_compile(rows, budget, {4096}, 0.5) is edge  # none has the margin: the fastest
+  confirmed = [*rows, row(60.0, 150.0, compiled_fits=True, peak_gib=58.0, est_before_compile_gib=60.0)]
+  assert search.next_to_compile(confirmed, budget, {4096}, miss) is wider  # a fit known: explore the fastest
+  assert search.worst_underestimate([row(80.0, 1.0, peak_gib=70.0, est_before_compile_gib=80.0)]) == 0.0
+
+
 @needs_plugin
 def test_search_ranks_671b_candidates_for_128_h200_without_compiling(tmp_path):
   out = tmp_path / "search.json"
