@@ -1,7 +1,7 @@
 """A real-text corpus from Debian packages, its tokenizer, and the loss curves of runs trained on it.
 
   python3 benchmarks/real_text.py corpus --debs DIR --out DIR [--doc-kib 256] [--vocab 32768]
-  python3 benchmarks/real_text.py curves --out DIR --stats DIR/corpus_stats.json NAME=RUN_DIR [NAME=RUN_DIR ...]
+  python3 benchmarks/real_text.py curves --out DIR --stats DIR/corpus_stats.json [--metric ce_loss] NAME=RUN_DIR ...
 
 corpus: the English text of three Debian packages, all of it prose written by people, none of it generated:
   dict-gcide      the GNU Collaborative International Dictionary of English (Webster's 1913 and additions)
@@ -15,8 +15,9 @@ DIR/corpus_stats.json: documents, bytes and tokens per package, and the unigram 
 (BOS and EOS included, as training sees them), which a model has learnt nothing beyond token frequencies at.
 
 curves: each run directory's metrics.jsonl (a run resumed in parts logs into the same file) -> DIR/curves.json (the
-loss of every step per run, the last-20-step mean and its gap to the first run's) and, with matplotlib,
-DIR/curves.png with the unigram entropy drawn across.
+--metric of every step per run, default the next-token cross-entropy `ce_loss` (the logged `loss` adds the MTP and
+balance terms); the mean of the last 20 and 50 steps and their gaps to the first run's) and, with matplotlib,
+DIR/curves.png: each step and a 20-step moving mean, the unigram entropy drawn across.
 """
 
 import argparse
@@ -36,7 +37,8 @@ SOURCES = {
   "linux-doc-6.1": ("usr/share/doc/linux-doc-6.1/Documentation", (".rst.gz", ".txt.gz", ".rst", ".txt")),
 }
 BOS, EOS = "<s>", "</s>"
-LAST = 20  # steps averaged for the end-of-run comparison
+LAST = (20, 50)  # steps averaged for the end-of-run comparisons
+SMOOTH = 20  # steps of the plotted moving mean
 
 
 def _read(path: Path) -> str:
@@ -138,10 +140,12 @@ def corpus(args) -> None:
   print(f"{total / 1e6:.1f}M tokens in {len(all_docs)} documents; unigram entropy {entropy:.3f} nats", flush=True)
 
 
-def read_losses(run_dir: Path) -> dict[int, float]:
-  """step -> loss; a step logged again after a resume keeps its last value."""
+def read_losses(run_dir: Path, metric: str) -> dict[int, float]:
+  """step -> metric; a step logged again after a resume keeps its last value."""
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+  if not any(metric in r for r in rows):
+    raise SystemExit(f"error: {run_dir / 'metrics.jsonl'} has no {metric!r}; choose another --metric")
+  return {r["step"]: r[metric] for r in rows if metric in r}
 
 
 def curves(args) -> None:
@@ -150,20 +154,22 @@ def curves(args) -> None:
     name, _, path = spec.partition("=")
     if not path:
       raise SystemExit(f"error: {spec!r} is not NAME=RUN_DIR")
-    losses = read_losses(Path(path))
+    losses = read_losses(Path(path), args.metric)
     runs[name] = {"steps": sorted(losses), "losses": [losses[s] for s in sorted(losses)]}
   first = next(iter(runs.values()))
-  base = sum(first["losses"][-LAST:]) / len(first["losses"][-LAST:])
-  for run in runs.values():
-    last = run["losses"][-LAST:]
-    run["last_mean"] = sum(last) / len(last)
-    run["gap_to_first"] = run["last_mean"] / base - 1
+  for n in LAST:
+    base = sum(first["losses"][-n:]) / len(first["losses"][-n:])
+    for run in runs.values():
+      last = run["losses"][-n:]
+      run[f"last_{n}_mean"] = sum(last) / len(last)
+      run[f"last_{n}_gap_to_first"] = run[f"last_{n}_mean"] / base - 1
   entropy = json.loads(args.stats.read_text())["unigram_entropy_nats"] if args.stats else None
-  out = {"last_steps_averaged": LAST, "unigram_entropy_nats": entropy, "runs": runs}
+  out = {"metric": args.metric, "unigram_entropy_nats": entropy, "runs": runs}
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "curves.json").write_text(json.dumps(out, indent=1))
   for name, run in runs.items():
-    print(f"{name}: {len(run['steps'])} steps, last-{LAST} mean {run['last_mean']:.4f} ({run['gap_to_first']:+.2%})")
+    ends = ", ".join(f"last {n}: {run[f'last_{n}_mean']:.4f} ({run[f'last_{n}_gap_to_first']:+.2%})" for n in LAST)
+    print(f"{name}: {len(run['steps'])} steps of {args.metric}; {ends}")
   try:
     import matplotlib
   except ImportError:
@@ -173,12 +179,16 @@ def curves(args) -> None:
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(9, 5))
-  for name, run in runs.items():
-    ax.plot(run["steps"], run["losses"], label=name, linewidth=1)
+  for i, (name, run) in enumerate(runs.items()):
+    color = f"C{i}"
+    ax.plot(run["steps"], run["losses"], color=color, linewidth=0.5, alpha=0.35)
+    ys = run["losses"]
+    mean = [sum(ys[max(0, j - SMOOTH + 1) : j + 1]) / len(ys[max(0, j - SMOOTH + 1) : j + 1]) for j in range(len(ys))]
+    ax.plot(run["steps"], mean, color=color, linewidth=1.5, label=f"{name} ({SMOOTH}-step mean)")
   if entropy is not None:
     ax.axhline(entropy, color="grey", linestyle="--", label=f"unigram entropy {entropy:.2f}")
   ax.set_xlabel("step")
-  ax.set_ylabel("loss (nats)")
+  ax.set_ylabel(f"{args.metric} (nats)")
   ax.set_ylim(0, max(max(r["losses"][5:] or r["losses"]) for r in runs.values()) * 1.05)
   ax.legend()
   fig.tight_layout()
@@ -196,6 +206,7 @@ def main(argv=None) -> None:
   v = sub.add_parser("curves")
   v.add_argument("--out", type=Path, required=True)
   v.add_argument("--stats", type=Path)
+  v.add_argument("--metric", default="ce_loss")
   v.add_argument("runs", nargs="+")
   args = ap.parse_args(argv)
   corpus(args) if args.command == "corpus" else curves(args)

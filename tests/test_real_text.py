@@ -40,20 +40,21 @@ def test_curves_take_the_last_logged_loss_of_each_step_and_compare_the_end(tmp_p
   def run(name, losses):
     d = tmp_path / name
     d.mkdir()
-    rows = [{"step": s, "loss": v} for s, v in losses]
+    rows = [{"step": s, "ce_loss": v, "loss": v + 1} for s, v in losses]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return f"{name}={d}"
 
-  # "b" was resumed at step 20 after logging to step 24: the re-run steps 20-24 replace the first ones
-  a = [(s, 10.0 - s / 10) for s in range(40)]
-  b = [(s, 10.0 - s / 10 + 1.0) for s in range(25)] + [(s, (10.0 - s / 10) * 1.01) for s in range(20, 40)]
+  # "b" was resumed at step 5 after logging to step 7: the re-run steps 5-7 replace the first ones
+  a = [(s, 10.0 - s / 10) for s in range(60)]
+  b = [(s, 10.0 - s / 10 + 1.0) for s in range(8)] + [(s, (10.0 - s / 10) * 1.01) for s in range(5, 60)]
   stats = tmp_path / "stats.json"
   stats.write_text(json.dumps({"unigram_entropy_nats": 7.3}))
   real_text.main(["curves", "--out", str(tmp_path / "out"), "--stats", str(stats), run("a", a), run("b", b)])
   out = json.loads((tmp_path / "out" / "curves.json").read_text())
   assert out["unigram_entropy_nats"] == 7.3
-  assert out["runs"]["b"]["steps"] == list(range(40))
-  assert out["runs"]["b"]["losses"][20:] == [v for _, v in b[25:]]
-  assert out["runs"]["a"]["gap_to_first"] == 0
-  assert math.isclose(out["runs"]["b"]["gap_to_first"], 0.01, rel_tol=1e-9)
+  assert out["metric"] == "ce_loss" and out["runs"]["b"]["steps"] == list(range(60))
+  assert out["runs"]["b"]["losses"][5:] == [v for _, v in b[8:]]  # the cross-entropy, not the total loss
+  assert out["runs"]["a"]["last_20_gap_to_first"] == out["runs"]["a"]["last_50_gap_to_first"] == 0
+  assert math.isclose(out["runs"]["b"]["last_20_gap_to_first"], 0.01, rel_tol=1e-9)
+  assert math.isclose(out["runs"]["b"]["last_50_gap_to_first"], 0.01, rel_tol=1e-9)
   assert (tmp_path / "out" / "curves.png").stat().st_size > 0
