@@ -34,7 +34,7 @@ from MaxText.errors import UserError
 # The keys that decide which batches the data iterator yields: a resume must not change them.
 DATA_KEYS_FROM_TRAIN = ("per_device_batch_size", "max_target_length", "batch_size_schedule")
 # What a key added after checkpoints were written means in them: the value that kept the old behaviour.
-ABSENT_MEANS = {"batch_size_schedule": ""}
+ABSENT_MEANS = {"batch_size_schedule": "", "piece_shuffle_window": 0}
 # Sections whose keys can change the train state's tree, shapes or dtypes (listed when they differ).
 STATE_SECTIONS = ("model", "moe", "optimizer")
 

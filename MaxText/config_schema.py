@@ -243,6 +243,7 @@ class DataConfig:
   add_bos: bool
   add_eos: bool
   packing: bool
+  piece_shuffle_window: int = at_least(0)  # 0 = off
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -165,11 +165,30 @@ def test_two_processes_read_disjoint_halves(files):
   assert set(halves[0]) | set(halves[1]) == set(DOCS)
 
 
-@pytest.mark.parametrize("kind", ["grain-jsonl", "synthetic"])
+def test_piece_shuffle_window_reorders_pieces_within_each_window_only(files):
+  def rows(*overrides, n=48):  # packing=false: one piece a row; 16-token rows cut the documents into pieces
+    it = open_data(files, "grain-jsonl", "packing=false", *overrides, seq=16)
+    out = []
+    while len(out) < n:
+      b = next(it)
+      out += [(*b.inputs[r, b.mask[r] > 0].tolist(), int(b.targets[r, b.mask[r] > 0][-1])) for r in range(4)]
+    return out
+
+  plain, windowed = rows(), rows("piece_shuffle_window=12")
+  assert windowed != plain
+  for w in range(0, 48, 12):  # the same pieces in each window of 12, in another order
+    assert sorted(windowed[w : w + 12]) == sorted(plain[w : w + 12])
+  assert sum(row[-1] != EOS for row in plain) > 0  # documents do span several pieces here
+  assert rows("piece_shuffle_window=12", "data_shuffle_seed=1") != windowed  # the seed sets the order
+
+
+@pytest.mark.parametrize("kind", ["grain-jsonl", "grain-jsonl-piece-shuffle", "synthetic"])
 def test_restored_iterator_yields_the_same_batches(files, kind):
   if kind == "synthetic":
     cfg = load_config(TINY_RECIPE, ["synthetic_data=random"])
     make = lambda: make_iterator(cfg.data, local_batch=4, global_batch=4, seq_len=16, vocab_size=256)  # noqa: E731
+  elif kind == "grain-jsonl-piece-shuffle":  # the state taken and restored part-way through a window
+    make = lambda: open_data(files, "grain-jsonl", "piece_shuffle_window=7", seq=48)  # noqa: E731
   else:
     make = lambda: open_data(files, kind, seq=48)  # noqa: E731
   it = make()

@@ -7,6 +7,8 @@
        (a corpus pre-tokenized by pretokenize.py); read, parsed and tokenized ahead by threads
        (read_options)
     -> pieces of at most max_target_length + 1 tokens (a long document becomes several)
+    -> optionally shuffled in windows of piece_shuffle_window pieces (a long document's pieces spread over
+       many batches instead of filling consecutive rows)
     -> each piece as (inputs = piece[:-1], targets = piece[1:])
     -> packing: first-fit into rows with segment ids (1, 2, ... per piece, 0 = padding)
        and positions restarting at 0 in each piece; or one piece per row, zero-padded
@@ -128,7 +130,7 @@ def make_iterator(
 ):
   """`read_threads`: see read_options (None = one a CPU core, at most MAX_READ_THREADS)."""
   import grain
-  from grain.experimental import FirstFitPackIterDataset, FlatMapIterDataset, FlatMapTransform
+  from grain.experimental import FirstFitPackIterDataset, FlatMapIterDataset, FlatMapTransform, WindowShuffleIterDataset
 
   tokenize = Tokenize(cfg, vocab_size)  # the tokenizer first: it is cheaper to check than the data
   source = sources.open_source(cfg)
@@ -148,6 +150,10 @@ def make_iterator(
     ds = ds.shuffle(seed=cfg.data_shuffle_seed)
   ds = ds.repeat(None).map(tokenize).to_iter_dataset(read_options(read_threads))
   ds = FlatMapIterDataset(ds, Pieces())
+  if cfg.piece_shuffle_window:
+    # A window is filled, shuffled and drained; its iterator state is the parent's at the window's start plus
+    # the position in it, so a restored iterator yields exactly what the original would have.
+    ds = WindowShuffleIterDataset(ds, window_size=cfg.piece_shuffle_window, seed=cfg.data_shuffle_seed)
   if cfg.packing:
     lengths = {"inputs": seq_len, "targets": seq_len}
     ds = FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=local_batch, shuffle_bins=False)
