@@ -24,11 +24,17 @@ import argparse
 import gzip
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from MaxText.errors import UserError, exit_on_user_error  # noqa: E402
 
 # package -> (the folder its text lives in, the file suffixes read there)
 SOURCES = {
@@ -55,7 +61,7 @@ def package_texts(deb: Path, root: Path) -> list[str]:
   subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
   files = sorted(p for p in (root / folder).rglob("*") if p.is_file() and p.name.endswith(suffixes))
   if not files:
-    raise SystemExit(f"error: {deb} holds no {'/'.join(suffixes)} files under /{folder}; is it the right package?")
+    raise UserError(f"{deb} holds no {'/'.join(suffixes)} files under /{folder}; is it the right package?")
   return [_read(p) for p in files]
 
 
@@ -103,8 +109,9 @@ def corpus(args) -> None:
   missing = sorted(set(SOURCES) - set(debs))
   if missing:
     fetch = f"apt-get download {' '.join(missing)}"
-    raise SystemExit(f"error: no {', '.join(missing)} .deb in {args.debs}; fetch them with: {fetch}")
-  args.out.mkdir(parents=True, exist_ok=True)
+    raise UserError(f"no {', '.join(missing)} .deb in {args.debs}; fetch them with: {fetch}")
+  if shutil.which("dpkg-deb") is None:
+    raise UserError("dpkg-deb is not installed here (it unpacks the .deb files); run this on Debian or Ubuntu")
   per_package, all_docs = {}, []
   with tempfile.TemporaryDirectory() as tmp:
     for package in SOURCES:
@@ -112,6 +119,7 @@ def corpus(args) -> None:
       per_package[package] = {"deb": debs[package].name, "documents": len(docs), "bytes": sum(map(len, docs))}
       all_docs += docs
       print(f"{package}: {len(docs)} documents, {per_package[package]['bytes'] / 1e6:.1f} MB", flush=True)
+  args.out.mkdir(parents=True, exist_ok=True)  # only once every package has been read
   with open(args.out / "corpus.jsonl", "w") as f:
     for doc in all_docs:
       f.write(json.dumps({"text": doc}) + "\n")
@@ -142,10 +150,20 @@ def corpus(args) -> None:
 
 def read_losses(run_dir: Path, metric: str) -> dict[int, float]:
   """step -> metric; a step logged again after a resume keeps its last value."""
-  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+  path = run_dir / "metrics.jsonl"
+  if not path.is_file():
+    raise UserError(f"{path} does not exist: give NAME=RUN_DIR with a run directory that holds metrics.jsonl")
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
   if not any(metric in r for r in rows):
-    raise SystemExit(f"error: {run_dir / 'metrics.jsonl'} has no {metric!r}; choose another --metric")
+    raise UserError(f"{path} has no {metric!r}; choose another --metric")
   return {r["step"]: r[metric] for r in rows if metric in r}
+
+
+def unigram_entropy(stats: Path) -> float:
+  try:
+    return json.loads(stats.read_text())["unigram_entropy_nats"]
+  except (OSError, ValueError, KeyError) as e:
+    raise UserError(f"--stats {stats}: not a corpus_stats.json from `real_text.py corpus` ({e})") from None
 
 
 def curves(args) -> None:
@@ -153,7 +171,7 @@ def curves(args) -> None:
   for spec in args.runs:
     name, _, path = spec.partition("=")
     if not path:
-      raise SystemExit(f"error: {spec!r} is not NAME=RUN_DIR")
+      raise UserError(f"{spec!r} is not NAME=RUN_DIR")
     losses = read_losses(Path(path), args.metric)
     runs[name] = {"steps": sorted(losses), "losses": [losses[s] for s in sorted(losses)]}
   first = next(iter(runs.values()))
@@ -163,7 +181,7 @@ def curves(args) -> None:
       last = run["losses"][-n:]
       run[f"last_{n}_mean"] = sum(last) / len(last)
       run[f"last_{n}_gap_to_first"] = run[f"last_{n}_mean"] / base - 1
-  entropy = json.loads(args.stats.read_text())["unigram_entropy_nats"] if args.stats else None
+  entropy = unigram_entropy(args.stats) if args.stats else None
   out = {"metric": args.metric, "unigram_entropy_nats": entropy, "runs": runs}
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "curves.json").write_text(json.dumps(out, indent=1))
@@ -195,7 +213,8 @@ def curves(args) -> None:
   fig.savefig(args.out / "curves.png", dpi=120)
 
 
-def main(argv=None) -> None:
+@exit_on_user_error
+def main(argv: list[str]) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = ap.add_subparsers(dest="command", required=True)
   c = sub.add_parser("corpus")
@@ -210,7 +229,8 @@ def main(argv=None) -> None:
   v.add_argument("runs", nargs="+")
   args = ap.parse_args(argv)
   corpus(args) if args.command == "corpus" else curves(args)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
