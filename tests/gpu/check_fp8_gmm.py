@@ -157,6 +157,8 @@ def main() -> int:
       entry["quant"][fmt] = outcome(lambda: check(fmt, fn, x, w, dy, sizes_np, sizes, unquantised), label, kind, g, fmt)
       ok &= entry["quant"][fmt]["pass"]
     results["cases"].append(entry)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))  # after each case: partial results survive a timeout
   results["all_pass"] = ok
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(results, indent=1))
