@@ -108,7 +108,13 @@ def main() -> int:
     help="three cases (DeepSeek-V3 widths balanced and skewed, odd sizes and widths) instead of all",
   )
   ap.add_argument("--no-mxfp8", action="store_true", help="check only the fp8_blockwise entries")
+  ap.add_argument(
+    "--cases", default="", help="comma-separated indices into check_gmm.CASES to run (default: all; splits the check)"
+  )
   args = ap.parse_args()
+  picked = [int(i) for i in args.cases.split(",") if i.strip()]
+  if bad := [i for i in picked if not 0 <= i < len(CASES)]:
+    ap.error(f"--cases {','.join(map(str, bad))}: indices run from 0 to {len(CASES) - 1}")
   quantised = [n for n, e in gmm.EXPERT_GEMMS.items() if e.quantization]
   names = [n for n in args.gemms.split(",") if n] or quantised
   if unknown := [n for n in names if n not in quantised]:
@@ -125,7 +131,7 @@ def main() -> int:
     cases = [("small", 300, 256, 136, 4, "odd_sizes"), ("small", 256, 200, 256, 3, "one_group")]
   else:
     options = gmm.Options()
-    cases = [CASES[0], CASES[2], CASES[-1]] if args.quick else CASES
+    cases = [CASES[i] for i in picked] if picked else [CASES[0], CASES[2], CASES[-1]] if args.quick else CASES
   impls, skipped = {}, {}
   for name in names:
     if problem := gmm.unavailable(name) or gmm.not_runnable_on(name, device):
