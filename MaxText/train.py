@@ -44,7 +44,12 @@ def make_run_dir(run_dir: Path, resumable: bool) -> Path:
   """Creates the run directory; one that already holds a run is an error unless checkpointing may resume it."""
   if (run_dir / "metrics.jsonl").exists() and not resumable:
     raise UserError(f"run directory {run_dir} already holds a run; choose another run_name or remove it")
-  run_dir.mkdir(parents=True, exist_ok=True)
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # the run's first write: nothing is written before it
+    raise UserError(
+      f"cannot create the run directory {run_dir}: {e.strerror or e}; set base_output_directory to a writable directory"
+    ) from None
   return run_dir
 
 

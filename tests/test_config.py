@@ -163,3 +163,21 @@ def test_help_anywhere_prints_usage_and_runs_nothing(tmp_path, args):
   )
   assert proc.returncode == 0 and "python -m MaxText.train" in proc.stdout, proc.stdout + proc.stderr
   assert not out.exists()
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line_exit_2(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  proc = subprocess.run(
+    [sys.executable, "-m", "MaxText.train", str(TINY_RECIPE), "steps=1", f"base_output_directory={blocker / 'runs'}"],
+    cwd=REPO,
+    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"error: cannot create the run directory {blocker}/runs/"), lines
+  assert lines[0].endswith("set base_output_directory to a writable directory"), proc.stderr
+  assert blocker.read_text() == "not a directory" and sorted(tmp_path.iterdir()) == [blocker]

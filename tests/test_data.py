@@ -343,6 +343,12 @@ def test_pretokenized_column_is_used_as_is(tmp_path):
     n = len(row["ids"]) - 1
     np.testing.assert_array_equal(batch.inputs[r, :n], row["ids"][:-1])
     np.testing.assert_array_equal(batch.targets[r, :n], row["ids"][1:])
+  # A token id beyond the vocabulary: in the first document, found when the data is opened (before anything is
+  # written); in a later one, when it is read. One line either way.
   (tmp_path / "ids.jsonl").write_text(json.dumps({"ids": [1, 300, 2]}) + "\n")
-  with pytest.raises(ValueError, match="token id 300 is outside vocab_size=256"):
-    next(make_iterator(cfg.data, local_batch=2, global_batch=2, seq_len=16, vocab_size=256))
+  with pytest.raises(UserError, match="token id 300 is outside vocab_size=256: .*raise vocab_size"):
+    make_iterator(cfg.data, local_batch=2, global_batch=2, seq_len=16, vocab_size=256)
+  (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in ([1, 2, 3], [4, -1, 5])))
+  data = make_iterator(cfg.data, local_batch=2, global_batch=2, seq_len=16, vocab_size=256)
+  with pytest.raises(UserError, match="token id -1 is outside vocab_size=256"):
+    next(data)

@@ -20,6 +20,7 @@ from MaxText.config import load_config
 from MaxText.data import make_iterator, pretokenize
 from MaxText.data.sources import _parse_example
 from MaxText.data.tokenizers import load_tokenizer
+from MaxText.errors import UserError
 
 BOS, EOS = 256, 257  # of the byte-level tiktoken file: token id = byte value
 # JSON lines documents with what a naive reader gets wrong: newlines, quotes, non-ASCII, a long one.
@@ -306,3 +307,13 @@ def test_input_changed_after_the_scan_removes_what_was_written(inputs, tmp_path,
     f"error: {out}/tokens-00001-of-00002.array_record: expected 20 documents, read 10; did an input change?"
   ]
   assert not out.exists()  # shard 0 was complete, and is gone with the rest
+
+
+def test_a_model_vocabulary_smaller_than_the_manifests_tokenizer_is_an_error_before_reading(inputs, tmp_path):
+  out = pretok(inputs, tmp_path / "shards")
+  n = json.loads((out / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+  cfg = load_config(TINY_RECIPE, [*shard_keys(out), f"vocab_size={n}"])
+  says = rf"manifest.json says .* {n}-token tokenizer, but vocab_size={n - 1}; set vocab_size>={n}$"
+  with pytest.raises(UserError, match=says):
+    make_iterator(cfg.data, local_batch=2, global_batch=2, seq_len=16, vocab_size=n - 1)
+  assert next(make_iterator(cfg.data, local_batch=2, global_batch=2, seq_len=16, vocab_size=n)).inputs.shape == (2, 16)

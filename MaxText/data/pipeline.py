@@ -51,8 +51,10 @@ class Tokenize:
     if self.encoder is None:
       ids = np.asarray(document, np.int64).reshape(-1)
       if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-        raise ValueError(
-          f"token id {ids.max() if ids.max() >= self.vocab_size else ids.min()} is outside vocab_size={self.vocab_size}"
+        bad = ids.max() if ids.max() >= self.vocab_size else ids.min()
+        raise UserError(
+          f"token id {bad} is outside vocab_size={self.vocab_size}: the pre-tokenized data was made for a larger "
+          "vocabulary; raise vocab_size to the tokenizer's, or re-tokenize"
         )
       return ids.astype(np.int32)
     return np.asarray(self.encoder.ids(document), np.int32)
@@ -138,6 +140,15 @@ def make_iterator(
     raise UserError(
       f"{sources.describe(cfg)} has {len(source)} documents, fewer than the {process_count} processes reading it"
     )
+  if not cfg.tokenize_train_data:
+    # Token ids beyond the model's vocabulary, found before anything is written: from the manifest that
+    # pretokenize wrote beside the files (covers every document), else from this process's first document.
+    if (declared := sources.pretokenized_vocab(cfg)) and declared[0] > vocab_size:
+      raise UserError(
+        f"{declared[1]} says the data was tokenized with a {declared[0]}-token tokenizer, but vocab_size="
+        f"{vocab_size}; set vocab_size>={declared[0]}"
+      )
+    tokenize(source[process_index])
 
   class Pieces(FlatMapTransform):
     max_fan_out = 1 << 30  # bounded by the longest document, not a fixed number

@@ -21,6 +21,7 @@ before anything is written.
 """
 
 import glob
+import json
 import os
 from pathlib import Path
 
@@ -81,13 +82,32 @@ def _tfds(cfg: DataConfig):
   return Column(records, cfg.train_data_columns, describe(cfg))
 
 
-def _files(cfg: DataConfig):
+def _matched_files(cfg: DataConfig) -> list[str]:
   files = []
   for pattern in (p.strip() for p in cfg.grain_train_files.split(",") if p.strip()):
     matched = sorted(glob.glob(os.path.expanduser(pattern)))
     if not matched:
       raise UserError(f"grain_train_files: {pattern} matches no files")
     files += matched
+  return files
+
+
+def pretokenized_vocab(cfg: DataConfig) -> tuple[int, Path] | None:
+  """(vocabulary size, manifest) of the largest tokenizer that the manifest.json of `python -m
+  MaxText.data.pretokenize` beside the ArrayRecord grain_train_files declares; None where there is none."""
+  if cfg.dataset_type != "grain" or cfg.grain_file_type != "arrayrecord":
+    return None
+  found = []
+  for manifest in sorted({Path(f).parent / "manifest.json" for f in _matched_files(cfg)}):
+    try:
+      found.append((int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"]), manifest))
+    except (OSError, ValueError, KeyError, TypeError):
+      continue  # no manifest, or not pretokenize's: the documents are checked as they are read
+  return max(found, default=None)
+
+
+def _files(cfg: DataConfig):
+  files = _matched_files(cfg)
   where, column = describe(cfg), cfg.train_data_columns
   if cfg.grain_file_type == "arrayrecord":
     import grain
