@@ -1,8 +1,6 @@
 """Config loading: layering, overrides, and one clear error per bad input."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -12,7 +10,7 @@ from MaxText.config_schema import key_index
 from MaxText.errors import UserError
 from MaxText.sharding import mesh_shape
 
-from conftest import REPO, TINY_RECIPE
+from conftest import REPO, TINY_RECIPE, train_cli
 
 
 def test_base_yml_has_every_key_with_a_comment():
@@ -127,16 +125,8 @@ def test_effective_config_round_trips(tiny_config, tmp_path):
   ],
 )
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, message):
-  env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
   out = tmp_path / "runs"
-  proc = subprocess.run(
-    [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out}"],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  proc = train_cli(*args, f"base_output_directory={out}", timeout=120)
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
@@ -153,14 +143,7 @@ def test_every_recipe_loads(recipe):
 @pytest.mark.parametrize("args", [["--help"], [str(TINY_RECIPE), "steps=3", "--help"]])
 def test_help_anywhere_prints_usage_and_runs_nothing(tmp_path, args):
   out = tmp_path / "runs"
-  proc = subprocess.run(
-    [sys.executable, "-m", "MaxText.train", *args, f"base_output_directory={out}"],
-    cwd=REPO,
-    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  proc = train_cli(*args, f"base_output_directory={out}", timeout=120)
   assert proc.returncode == 0 and "python -m MaxText.train" in proc.stdout, proc.stdout + proc.stderr
   assert not out.exists()
 
@@ -168,14 +151,7 @@ def test_help_anywhere_prints_usage_and_runs_nothing(tmp_path, args):
 def test_a_run_directory_that_cannot_be_made_is_one_line_exit_2(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("not a directory")
-  proc = subprocess.run(
-    [sys.executable, "-m", "MaxText.train", str(TINY_RECIPE), "steps=1", f"base_output_directory={blocker / 'runs'}"],
-    cwd=REPO,
-    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  proc = train_cli(str(TINY_RECIPE), "steps=1", f"base_output_directory={blocker / 'runs'}")
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(f"error: cannot create the run directory {blocker}/runs/"), lines

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import data_builders as build  # noqa: E402
-from conftest import REPO, TINY_RECIPE  # noqa: E402
+from conftest import TINY_RECIPE, train_cli  # noqa: E402
 from MaxText import model, params  # noqa: E402
 from MaxText.config import load_config  # noqa: E402
 from MaxText.data import make_iterator  # noqa: E402
@@ -283,14 +281,7 @@ def test_cli_missing_dataset_exits_2_and_writes_nothing(tmp_path, files):
     "vocab_size=320",
     f"base_output_directory={out}",
   ]
-  proc = subprocess.run(
-    [sys.executable, "-m", "MaxText.train", str(TINY_RECIPE), *args],
-    cwd=REPO,
-    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  proc = train_cli(str(TINY_RECIPE), *args)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().splitlines() == ["error: grain_train_files: /nonexistent/*.jsonl matches no files"]
   assert not out.exists()

@@ -52,10 +52,12 @@ class Tokenize:
       ids = np.asarray(document, np.int64).reshape(-1)
       if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
         bad = ids.max() if ids.max() >= self.vocab_size else ids.min()
-        raise UserError(
-          f"token id {bad} is outside vocab_size={self.vocab_size}: the pre-tokenized data was made for a larger "
-          "vocabulary; raise vocab_size to the tokenizer's, or re-tokenize"
+        fix = (
+          "the pre-tokenized data was made for a larger vocabulary; raise vocab_size to the tokenizer's, or re-tokenize"
+          if bad >= 0
+          else "a negative id: train_data_columns does not name a column of token ids"
         )
+        raise UserError(f"token id {bad} is outside vocab_size={self.vocab_size}: {fix}")
       return ids.astype(np.int32)
     return np.asarray(self.encoder.ids(document), np.int32)
 
@@ -143,7 +145,8 @@ def make_iterator(
   if not cfg.tokenize_train_data:
     # Token ids beyond the model's vocabulary, found before anything is written: from the manifest that
     # pretokenize wrote beside the files (covers every document), else from this process's first document.
-    if (declared := sources.pretokenized_vocab(cfg)) and declared[0] > vocab_size:
+    declared = getattr(source, "declared_vocab", None)  # ArrayRecord sources carry it; in-memory ones are lists
+    if declared and declared[0] > vocab_size:
       raise UserError(
         f"{declared[1]} says the data was tokenized with a {declared[0]}-token tokenizer, but vocab_size="
         f"{vocab_size}; set vocab_size>={declared[0]}"

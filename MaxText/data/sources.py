@@ -51,8 +51,9 @@ def describe(cfg: DataConfig) -> str:
 class Column:
   """A random-access view of one column of records (dicts or tf.train.Example bytes)."""
 
-  def __init__(self, records, column: str, where: str, parse=None):
+  def __init__(self, records, column: str, where: str, parse=None, declared_vocab=None):
     self.records, self.column, self.where, self.parse = records, column, where, parse
+    self.declared_vocab = declared_vocab  # (vocabulary size, manifest) from pretokenize's manifest.json, or None
 
   def __len__(self) -> int:
     return len(self.records)
@@ -82,23 +83,11 @@ def _tfds(cfg: DataConfig):
   return Column(records, cfg.train_data_columns, describe(cfg))
 
 
-def _matched_files(cfg: DataConfig) -> list[str]:
-  files = []
-  for pattern in (p.strip() for p in cfg.grain_train_files.split(",") if p.strip()):
-    matched = sorted(glob.glob(os.path.expanduser(pattern)))
-    if not matched:
-      raise UserError(f"grain_train_files: {pattern} matches no files")
-    files += matched
-  return files
-
-
-def pretokenized_vocab(cfg: DataConfig) -> tuple[int, Path] | None:
+def manifest_vocab(files: list[str]) -> tuple[int, Path] | None:
   """(vocabulary size, manifest) of the largest tokenizer that the manifest.json of `python -m
-  MaxText.data.pretokenize` beside the ArrayRecord grain_train_files declares; None where there is none."""
-  if cfg.dataset_type != "grain" or cfg.grain_file_type != "arrayrecord":
-    return None
+  MaxText.data.pretokenize` beside `files` declares; None where there is none."""
   found = []
-  for manifest in sorted({Path(f).parent / "manifest.json" for f in _matched_files(cfg)}):
+  for manifest in sorted({Path(f).parent / "manifest.json" for f in files}):
     try:
       found.append((int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"]), manifest))
     except (OSError, ValueError, KeyError, TypeError):
@@ -107,7 +96,12 @@ def pretokenized_vocab(cfg: DataConfig) -> tuple[int, Path] | None:
 
 
 def _files(cfg: DataConfig):
-  files = _matched_files(cfg)
+  files = []
+  for pattern in (p.strip() for p in cfg.grain_train_files.split(",") if p.strip()):
+    matched = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not matched:
+      raise UserError(f"grain_train_files: {pattern} matches no files")
+    files += matched
   where, column = describe(cfg), cfg.train_data_columns
   if cfg.grain_file_type == "arrayrecord":
     import grain
@@ -116,7 +110,7 @@ def _files(cfg: DataConfig):
       records = grain.sources.ArrayRecordDataSource(files)
     except Exception as e:  # noqa: BLE001 - array_record reports unreadable files in several ways
       raise UserError(f"{where}: cannot read as ArrayRecord: {str(e).strip().splitlines()[0]}") from None
-    return Column(records, column, where, parse=_parse_example)
+    return Column(records, column, where, parse=_parse_example, declared_vocab=manifest_vocab(files))
   if cfg.grain_file_type == "text":
     if column != "text":
       raise UserError(f"{where}: text files have one column, 'text'; set train_data_columns=text")

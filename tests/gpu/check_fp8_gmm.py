@@ -154,6 +154,8 @@ def main() -> int:
     "cases": [],
   }
   ok = True
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  save = lambda r: args.out.write_text(json.dumps(r, indent=1))  # noqa: E731
   for label, m, k, n, g, kind in cases:
     sizes_np, x, w, dy, sizes = inputs(m, k, n, g, kind, rng, dtype)
     plain = [np.asarray(a.astype(jnp.float32)) for a in (x, w, dy)]
@@ -163,11 +165,9 @@ def main() -> int:
       entry["quant"][fmt] = outcome(lambda: check(fmt, fn, x, w, dy, sizes_np, sizes, unquantised), label, kind, g, fmt)
       ok &= entry["quant"][fmt]["pass"]
     results["cases"].append(entry)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))  # after each case: partial results survive a timeout
+    save(results)  # after each case: partial results survive a timeout
   results["all_pass"] = ok
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(results, indent=1))
+  save(results)
   args.out.with_suffix(".md").write_text(markdown(results))
   print(markdown(results))
   return 0 if ok else 1
