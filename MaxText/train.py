@@ -44,9 +44,13 @@ def make_run_dir(run_dir: Path, resumable: bool) -> Path:
   """Creates the run directory; one that already holds a run is an error unless checkpointing may resume it."""
   if (run_dir / "metrics.jsonl").exists() and not resumable:
     raise UserError(f"run directory {run_dir} already holds a run; choose another run_name or remove it")
+  missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
   try:
     run_dir.mkdir(parents=True, exist_ok=True)
-  except OSError as e:  # the run's first write: nothing is written before it
+  except OSError as e:  # the run's first write: nothing is written before it, and nothing stays after it
+    for d in missing:
+      with contextlib.suppress(OSError):
+        d.rmdir()
     raise UserError(
       f"cannot create the run directory {run_dir}: {e.strerror or e}; set base_output_directory to a writable directory"
     ) from None

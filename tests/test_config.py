@@ -157,3 +157,14 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_exit_2(tmp_path):
   assert len(lines) == 1 and lines[0].startswith(f"error: cannot create the run directory {blocker}/runs/"), lines
   assert lines[0].endswith("set base_output_directory to a writable directory"), proc.stderr
   assert blocker.read_text() == "not a directory" and sorted(tmp_path.iterdir()) == [blocker]
+
+
+def test_a_run_directory_that_fails_at_a_deeper_level_leaves_no_empty_parents(tmp_path):
+  from MaxText.errors import UserError
+  from MaxText.train import make_run_dir
+
+  base = tmp_path / "new" / "runs"
+  with pytest.raises(UserError, match="cannot create the run directory"):
+    make_run_dir(base / ("x" * 300), resumable=False)  # NAME_MAX is 255: new/ and runs/ are made, then it fails
+  assert list(tmp_path.iterdir()) == []
+  assert make_run_dir(base / "ok", resumable=False).is_dir()  # the same parents are made when the name is fine
