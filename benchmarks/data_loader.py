@@ -199,7 +199,7 @@ def gpu_consumption(path: Path, variant: str, gpus: int) -> dict:
   return {
     "source": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
     "variant": variant,
-    "device": result["machine"].get("device_kind"),
+    "device": result["machine"].get("device") or result["machine"].get("device_kind"),  # results/ has device_kind
     "tokens_per_s_per_gpu": per_gpu,
     "step_s": summary["median_step_time_s"],
     "gpus_per_host": gpus,

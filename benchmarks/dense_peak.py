@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grouped_gemm import jax_time_ms, machine  # noqa: E402
+import machine  # noqa: E402
+from grouped_gemm import jax_time_ms  # noqa: E402
 
 CHECK_ROWS = 64  # rows compared with the float32 product (the whole product in fp32 would double the memory)
 BOUND = 1e-2  # relative Frobenius error: bf16 output rounding is 2^-9 per element
@@ -79,7 +80,12 @@ def main() -> int:
     print(f"bf16 {r['shape']}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s ({r['timer']}), rel err {r['rel_err']:.2e}")
   kind = jax.devices()[0].device_kind
   best = max(r["tflops"] for r in rows if r["ok"]) if any(r["ok"] for r in rows) else None
-  results = {"machine": machine(), "rows": rows, "measured_peak_tflops": best, "published_tflops": peak_tflops(kind)}
+  results = {
+    "machine": machine.describe(),
+    "rows": rows,
+    "measured_peak_tflops": best,
+    "published_tflops": peak_tflops(kind),
+  }
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "dense_peak.json").write_text(json.dumps(results, indent=1))
   print(f"measured bf16 dense peak {best} TFLOP/s; published {results['published_tflops']} ({kind})")

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from grouped_gemm import (  # noqa: E402
   M,
   PEER,
@@ -32,7 +33,6 @@ from grouped_gemm import (  # noqa: E402
   check_quant,
   jax_inputs,
   jax_peer_gemm,
-  machine,
   parse_cases,
   quant_entries,
 )
@@ -112,7 +112,7 @@ def main() -> int:
   variants = {name: jax_peer_gemm if name == PEER else lambda name=name: gmm.build(name) for name in gemms}
   variants.update({name: lambda name=name: gmm.build(name) for name in quant_entries(quant, jax.devices()[0])})
   args.out.mkdir(parents=True, exist_ok=True)
-  results = {"machine": machine(), "rows_M": M, "cases": []}
+  results = {"machine": machine.describe(), "rows_M": M, "cases": []}
   lines = [
     "| shape | G | sizes | expert GEMM | total ms | TFLOP/s | Mosaic kernels ms | other ms | kernels (ms) "
     "| dead row-tile slots |",

@@ -35,12 +35,14 @@ import itertools
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 
 M = 32768
 PEER = "jax_ragged_dot_mgpu"  # JAX's own Mosaic GPU grouped-GEMM kernels, a peer row
@@ -423,31 +425,6 @@ def tune(out_dir: Path, iters: int, groups: int) -> dict:
 
 
 # ---- report ----
-def machine() -> dict:
-  import jax
-  import jaxlib
-
-  info = {
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "device": jax.devices()[0].device_kind,
-    "date": time.strftime("%Y-%m-%d"),
-  }
-  try:
-    info["gpu"] = subprocess.run(
-      ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-    ).stdout.strip()
-  except OSError:
-    info["gpu"] = None
-  try:
-    import torch
-
-    info["torch"] = torch.__version__
-  except ImportError:
-    info["torch"] = None
-  return info
-
-
 def runs_on_mosaic(label: str) -> bool:
   """Whether a row runs on our Mosaic kernels: a registry entry on moe_gmm_backend=mosaic (or an --fp8-tiles row)."""
   from MaxText import gmm
@@ -585,7 +562,7 @@ def main() -> int:
   if not args.out:
     ap.error("--out is required (or --plot)")
   args.out.mkdir(parents=True, exist_ok=True)
-  results = {"machine": machine(), "rows_M": M}
+  results = {"machine": machine.describe(packages=("jax", "jaxlib", "torch")), "rows_M": M}
   if args.tune:
     results["tuning"] = tune(args.out, 5, args.tune_groups)["tiles"]
     if args.tune_only:

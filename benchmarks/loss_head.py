@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import machine  # noqa: E402
 from grouped_gemm import jax_time_ms  # noqa: E402
-from train_recipe import machine  # noqa: E402
 
 
 def einsum_loss(dot_dtype):
@@ -149,7 +149,9 @@ def main() -> int:
 
   args.out.mkdir(parents=True, exist_ok=True)
   shape = {"tokens": t, "hidden": d, "vocab": v}
-  (args.out / "loss_head.json").write_text(json.dumps({"machine": machine(), "shape": shape, "rows": rows}, indent=1))
+  (args.out / "loss_head.json").write_text(
+    json.dumps({"machine": machine.describe(), "shape": shape, "rows": rows}, indent=1)
+  )
   lines = [
     f"loss head fwd+bwd, tokens {t}, hidden {d}, vocab {v} (model FLOPs 3 x 2TDV = {flops / 1e12:.2f} TFLOP)",
     "",

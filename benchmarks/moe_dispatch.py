@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "benchmarks"))
+
+import machine  # noqa: E402
 
 FULL = {"hidden": 7168, "experts": 256, "k": 8, "tokens": (4096, 8192), "moe_mlp": 2048, "dtype": "bfloat16"}
 DRY = {"hidden": 64, "experts": 32, "k": 4, "tokens": (32,), "moe_mlp": 32, "dtype": "float32"}
@@ -332,28 +334,6 @@ def layer_rows(shape: dict, tokens: int, iters: int, gmm: str) -> list[dict]:
   return rows
 
 
-def machine() -> dict:
-  import jax
-  import jaxlib
-
-  info = {
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "device": jax.devices()[0].device_kind,
-    "devices": jax.device_count(),
-    "date": time.strftime("%Y-%m-%d"),
-  }
-  for key, cmd in (
-    ("gpu", ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
-    ("topology", ["nvidia-smi", "topo", "-m"]),
-  ):
-    try:
-      info[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as e:
-      info[key] = f"unavailable: {e}"
-  return info
-
-
 def markdown(results: dict) -> str:
   m = results["machine"]
   fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
@@ -433,7 +413,7 @@ def main(argv=None) -> int:
     shape["tokens"] = tuple(int(t) for t in args.tokens.split(","))
   iters = args.iters or (2 if args.cpu_dry_run else 20)
   results = {
-    "machine": machine(),
+    "machine": machine.describe(topology=True),
     "shape": {k: v for k, v in shape.items() if k != "tokens"},
     "buffer_factor": BUFFER_FACTOR,
     "transport": [],

@@ -33,7 +33,6 @@ import glob
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ from MaxText.layers.mlp import mlp  # noqa: E402
 from MaxText.moe import permute, router  # noqa: E402
 from MaxText.moe.layer import expert_gemm, moe, moe_specs, routed_experts  # noqa: E402
 from MaxText.sharding import Sharder  # noqa: E402
+import machine  # noqa: E402
 from grouped_gemm import jax_time_ms  # noqa: E402
 
 STAGES = ("router", "permute", "gmm", "combine", "shared_experts")
@@ -287,28 +287,6 @@ def measure_stages(shape: dict, backend: str, pad: int, iters: int) -> dict:
 
 
 # ---- report ----
-def machine() -> dict:
-  import jaxlib
-
-  info = {
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "device": jax.devices()[0].device_kind,
-    "platform": jax.devices()[0].platform,
-    "date": time.strftime("%Y-%m-%d"),
-  }
-  try:
-    info["gpu"] = (
-      subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-      ).stdout.strip()
-      or None
-    )
-  except OSError:
-    info["gpu"] = None
-  return info
-
-
 def markdown(results: dict) -> str:
   m, s = results["machine"], results["shape"]
   lines = [
@@ -400,7 +378,7 @@ def main() -> int:
   pads = [0, 4] if args.small else args.pad
   iters = 2 if args.small else args.iters
   args.out.mkdir(parents=True, exist_ok=True)
-  results = {"machine": machine(), "shape": shape, "iters": iters, "checks": [], "runs": []}
+  results = {"machine": machine.describe(), "shape": shape, "iters": iters, "checks": [], "runs": []}
   for backend in backends:
     results["checks"] += check(shape, backend, pads, min(args.check_tokens, shape["tokens"]))
   timed = [

@@ -39,6 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "benchmarks"))
+
+import machine  # noqa: E402
 
 RECIPE = "recipes/deepseek_v3_proxy_1gpu/optimized.yml"
 SMALL_RECIPE = "recipes/deepseek_v3_tiny.yml"
@@ -239,28 +242,6 @@ def expected_offload_bytes(recipe: str, overrides: list[str]) -> dict:
 
 
 # ---- the whole measurement ----
-def machine() -> dict:
-  import importlib.metadata
-
-  info = {
-    "python": sys.version.split()[0],
-    "date": time.strftime("%Y-%m-%d"),
-    "jax": importlib.metadata.version("jax"),
-    "jaxlib": importlib.metadata.version("jaxlib"),
-  }
-  try:
-    smi = subprocess.run(
-      ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-      capture_output=True,
-      text=True,
-      timeout=30,
-    )
-    info["gpu"] = smi.stdout.strip() or None
-  except (OSError, subprocess.TimeoutExpired):
-    info["gpu"] = None
-  return info
-
-
 def gib(b) -> str:
   """Bytes as GiB (MiB below 1 GiB, for the --small run)."""
   if b is None:
@@ -358,7 +339,7 @@ def main() -> int:
   results = {
     "recipe": args.recipe,
     "overrides": args.override,
-    "machine": machine(),
+    "machine": machine.describe(devices=False),  # no JAX here: the workers measure the GPU
     "variants": {},
     "expected": expected_offload_bytes(args.recipe, args.override),
   }

@@ -13,27 +13,10 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-
-def machine() -> dict:
-  info = {"python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d")}
-  try:
-    smi = subprocess.run(
-      ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-      capture_output=True,
-      text=True,
-      timeout=30,
-    )
-    info["gpu"] = smi.stdout.strip()
-  except (OSError, subprocess.TimeoutExpired):
-    info["gpu"] = None
-  import jax
-  import jaxlib
-
-  info.update(jax=jax.__version__, jaxlib=jaxlib.__version__, device_kind=jax.devices()[0].device_kind)
-  return info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 
 
 def main() -> int:
@@ -44,7 +27,8 @@ def main() -> int:
   ap.add_argument("--timeout", type=float, default=540)
   args = ap.parse_args()
 
-  results = {"recipe": args.recipe, "machine": machine(), "variants": {}}
+  # no JAX in this process: a GPU client here would hold a CUDA context and memory on the GPU the variants measure
+  results = {"recipe": args.recipe, "machine": machine.describe(devices=False), "variants": {}}
   runs = Path(tempfile.mkdtemp(prefix="bench_runs_"))
   for name, overrides in args.variant:
     cmd = [
