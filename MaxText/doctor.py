@@ -31,6 +31,7 @@ MIN_VERSIONS = {
   "numpy": "2.0",
   "optax": "0.2.6",
   "PyYAML": "6.0",
+  "packaging": "24.0",
   "tensorboardX": "2.6",
   "orbax-checkpoint": "0.12.8",
   "grain": "0.2.18",
@@ -53,6 +54,7 @@ CORE_PACKAGES = [
   ("numpy", "numpy", True, "host arrays"),
   ("optax", "optax", True, "optimizer"),
   ("yaml", "PyYAML", True, "recipe and config files"),
+  ("packaging", "packaging", True, "reading installed packages' requirements"),
   ("tensorboardX", "tensorboardX", False, "enable_tensorboard=true"),
 ]
 
@@ -298,6 +300,14 @@ def check_optional(name: str, module: str, dists: tuple[str, ...], purpose: str,
   if spec is None:
     return Check(name, MISSING, f"not installed ({purpose}); {install}")
   version = dist_version(*dists) or "unknown version"
+  try:
+    from MaxText import installed
+  except ImportError:  # packaging, a required package, is missing: its own line says so, and requirements go unread
+    return Check(name, OK, f"{version}; {purpose}")
+  if unmet := [r for d in dists for r in installed.unmet_requirements(d)]:
+    names = " ".join(f"'{r.split(' (')[0]}'" for r in unmet)
+    detail = f"{version}, installed without its requirements {', '.join(unmet)}; pip install {names}"
+    return Check(name, UNUSABLE, detail)
   return Check(name, OK, f"{version}; {purpose}")
 
 

@@ -215,7 +215,7 @@ def backend(cfg: Config, platform: str | None, device_kind: str = "") -> None:
       f"moe_gmm_backend={moe.moe_gmm_backend}{q} runs Hopper (sm_90) GPU kernels and cannot run on {on}; "
       f"here choose {can}"
     )
-  if problem := gmm.unavailable(name):
+  if problem := gmm.unavailable(name, imports=True):
     raise UserError(f"moe_gmm_backend={moe.moe_gmm_backend}: {name} {problem}")
 
 

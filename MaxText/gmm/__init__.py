@@ -40,6 +40,7 @@ class Entry:
   about: str  # one line, for the doctor and the start-up log
   requires: str | None = None  # a module that must be importable
   install: str = "upgrade jax"  # how to get `requires`
+  dist: str | None = None  # the distribution `install` installs, when it is not jax itself (its requirements too)
   hopper_only: bool = False  # its kernels use sm_90's wgmma: no other GPU, and no CPU except in tests' interpreter
 
 
@@ -81,7 +82,11 @@ register(
     hopper_only=True,
   )
 )
-register(Entry("tokamax", "", "tokamax", "MaxText.gmm.tokamax", "tokamax.ragged_dot", "tokamax", "pip install tokamax"))
+register(
+  Entry(
+    "tokamax", "", "tokamax", "MaxText.gmm.tokamax", "tokamax.ragged_dot", "tokamax", "pip install tokamax", "tokamax"
+  )
+)
 for _backend in ("xla", "mosaic", "tokamax"):
   _bf16 = EXPERT_GEMMS[_backend]
   register(
@@ -93,6 +98,7 @@ for _backend in ("xla", "mosaic", "tokamax"):
       f"MXFP8 operands dequantised into the {_backend} bf16 GEMM (mxfp8_impl=emulated)",
       _bf16.requires,
       _bf16.install,
+      _bf16.dist,
       _bf16.hopper_only,
     )
   )
@@ -160,8 +166,12 @@ def check(quantization: str, backend: str, mxfp8_impl: str = "auto") -> str | No
   return f"{what} runs on moe_gmm_backend={' or '.join(runs_on)} (got {backend})"
 
 
-def unavailable(name: str) -> str | None:
-  """Why entry `name` cannot be built here (a package missing), or None."""
+def unavailable(name: str, *, imports: bool = False) -> str | None:
+  """Why entry `name` cannot be built here (a package missing, or installed without what it needs), or None.
+
+  Without `imports` nothing is imported (the doctor, the config's suggestions): a package's missing requirements
+  are read from its metadata. With it the package is imported, the one test that cannot be wrong, where the run
+  will import it anyway (the chosen backend, before anything is written; `build`)."""
   entry = EXPERT_GEMMS[name]
   if entry.requires is None:
     return None
@@ -169,7 +179,20 @@ def unavailable(name: str) -> str | None:
     found = importlib.util.find_spec(entry.requires) is not None
   except ModuleNotFoundError:
     found = False
-  return None if found else f"needs {entry.requires}, which is not installed; {entry.install}"
+  if not found:
+    return f"needs {entry.requires}, which is not installed; {entry.install}"
+  if imports:
+    try:
+      importlib.import_module(entry.requires)
+    except Exception as e:  # noqa: BLE001 - whatever stops the import stops the backend
+      why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+      return f"needs {entry.requires}, which is installed but does not import ({why}); {entry.install}"
+    return None
+  from MaxText import installed
+
+  if entry.dist and (unmet := installed.unmet_requirements(entry.dist)):
+    return f"needs {entry.requires}, installed without its requirements {', '.join(unmet)}; {entry.install}"
+  return None
 
 
 def not_runnable_on(name: str, device) -> str | None:
@@ -232,7 +255,7 @@ def build(name: str, options: Options = Options()) -> ExpertGemm:
   """The ExpertGemm of registry entry `name` (one object per name and options)."""
   if name not in EXPERT_GEMMS:
     raise ValueError(f"unknown expert GEMM '{name}'; choose one of: {', '.join(EXPERT_GEMMS)}")
-  if problem := unavailable(name):
+  if problem := unavailable(name, imports=True):
     raise RuntimeError(f"{name} {problem}")
   entry = EXPERT_GEMMS[name]
   return importlib.import_module(entry.module).build(entry, options)
