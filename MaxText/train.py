@@ -44,8 +44,9 @@ def make_run_dir(run_dir: Path, resumable: bool) -> Path:
   """Creates the run directory; one that already holds a run is an error unless checkpointing may resume it."""
   if (run_dir / "metrics.jsonl").exists() and not resumable:
     raise UserError(f"run directory {run_dir} already holds a run; choose another run_name or remove it")
-  missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
+  missing = []  # the levels this call makes, deepest first: removed again if a deeper one fails
   try:
+    missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # exists() too can be refused (EACCES)
     run_dir.mkdir(parents=True, exist_ok=True)
   except OSError as e:  # the run's first write: nothing is written before it, and nothing stays after it
     for d in missing:
