@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from MaxText.errors import UserError, exit_on_user_error
+from MaxText.errors import UserError, exit_on_user_error, first_line
 
 USAGE = "usage: python -m MaxText.doctor [--json]"
 
@@ -147,11 +147,6 @@ def locate(module: str):
     return None, None
   except Exception as e:  # noqa: BLE001 - any failure of a parent's import makes the module unusable
     return None, first_line(e)
-
-
-def first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def check_python() -> Check:

@@ -16,6 +16,12 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
+def first_line(e: BaseException) -> str:
+  """An exception as one line, its type and the first line of its message (a report's detail, not a traceback)."""
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def exit_on_user_error(main: Callable[[list[str]], int]) -> Callable[[list[str] | None], int]:
   """Wraps a CLI `main(argv)` so that a UserError becomes one stderr line and exit code 2."""
 

@@ -160,7 +160,6 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_exit_2(tmp_path):
 
 
 def test_a_run_directory_that_fails_at_a_deeper_level_leaves_no_empty_parents(tmp_path):
-  from MaxText.errors import UserError
   from MaxText.train import make_run_dir
 
   base = tmp_path / "new" / "runs"

@@ -22,6 +22,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from MaxText.errors import first_line
 from MaxText.gmm.base import ExpertGemm
 from MaxText.kernels import gpu, mosaic_tiles
 
@@ -185,8 +186,7 @@ def unavailable(name: str, *, imports: bool = False) -> str | None:
     try:
       importlib.import_module(entry.requires)
     except Exception as e:  # noqa: BLE001 - whatever stops the import stops the backend
-      why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-      return f"needs {entry.requires}, which is installed but does not import ({why}); {entry.install}"
+      return f"needs {entry.requires}, which is installed but does not import ({first_line(e)}); {entry.install}"
     return None
   from MaxText import installed
 
